@@ -1,0 +1,179 @@
+"""Kernel benchmark: each op at FLUX.1 1024^2 and Wan-14B 480p shapes.
+
+For every (op, shape): device time per call, bytes moved (each input read
+once, each output written once), achieved GB/s, the ratio to the
+device-to-device copy bandwidth measured in the same run, and the speed-up
+over the pure-PyTorch reference (kernels/reference.py) of the same math.
+Times come from CUDA graphs of back-to-back calls over rotating input sets
+larger than L2, so they are device times, not launch overhead.
+
+    python bench/kernels.py --lib build/kernels/libcache_dit_cuda_ops.so --json out.json
+
+The kernel library is loaded in this process (never together with the
+Python client, which defines the same op namespace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+import reference as ref  # noqa: E402
+
+BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+L2_BYTES = 60 << 20
+
+# (model, S, H, per-rank) at D = 128; per-rank H is Ulysses-4's share.
+SHAPES = [
+    ("flux", 4608, 24, False),
+    ("flux", 4608, 6, True),
+    ("wan", 32760, 40, False),
+    ("wan", 32760, 10, True),
+]
+ULYSSES = 4
+D = 128
+
+
+def copy_bandwidth(nbytes=1 << 30, reps=20):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return 2 * nbytes / statistics.median(times)  # bytes read + written per second
+
+
+def time_graph(fns, reps=7):
+    """Median device time of one call, from graphs replaying every fn once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def cases(ops):
+    """Yields (op, label, make_inputs, run_op, run_ref, bytes_moved)."""
+    for model, S, H, per_rank in SHAPES:
+        tag = f"{model} S={S} H={H}" + (" (per rank)" if per_rank else "")
+        rows = S * H
+
+        def merge_inputs(S=S, H=H):
+            p = torch.randn(1, S, H, D, device="cuda").to(BF16)
+            s = torch.randn(1, S, H, D, device="cuda").to(BF16)
+            lp = torch.randn(1, H, S, device="cuda").permute(0, 2, 1).unsqueeze(-1)  # flash-attn view
+            ls = torch.randn(1, H, S, device="cuda").permute(0, 2, 1).unsqueeze(-1)
+            return p, lp, s, ls
+
+        yield ("fused_merge_attn_states", tag, merge_inputs,
+               lambda a: ops.fused_merge_attn_states(*a),
+               lambda a: [t.to(d) for t, d in zip(ref.merge_attn_states(*a, compute_dtype=torch.float32), (BF16, torch.float32))],
+               rows * D * 2 * 3 + rows * 4 * 3)
+
+        yield ("fp8_comm_per_token_quant", tag,
+               lambda S=S, H=H: (torch.randn(1, S, H, D, device="cuda").to(BF16),),
+               lambda a: ops.fp8_comm_per_token_quant(*a),
+               lambda a: ref.per_token_quant(*a),
+               rows * D * 2 + rows * (D + 2))
+
+        yield ("fp8_comm_per_token_dequant", tag,
+               lambda S=S, H=H: (ref.per_token_quant(torch.randn(1, S, H, D, device="cuda").to(BF16)),),
+               lambda a: ops.fp8_comm_per_token_dequant(*a),
+               lambda a: ref.per_token_dequant(*a),
+               rows * (D + 2) + rows * D * 2)
+
+        if per_rank:  # the Ulysses all-to-all pair: send [B, S/W, W, H, D], receive [S, B, H, D+4]
+            s_local = S // ULYSSES
+            qrows = s_local * ULYSSES * H
+            yield ("fp8_comm_qkv_permute_quant", f"{model} x=[1,{s_local},{ULYSSES},{H},{D}]",
+                   lambda s_local=s_local, H=H: (torch.randn(1, s_local, ULYSSES, H, D, device="cuda").to(BF16),),
+                   lambda a: ops.fp8_comm_qkv_permute_quant(*a),
+                   lambda a: ref.qkv_permute_quant(*a),
+                   qrows * D * 2 + qrows * (D + 4))
+            yield ("fp8_comm_qkv_permute_dequant", f"{model} x=[{s_local * ULYSSES},1,{H},{D + 4}]",
+                   lambda s_local=s_local, H=H: (ref.qkv_permute_quant(
+                       torch.randn(1, s_local * ULYSSES, 1, H, D, device="cuda").to(BF16))[0],),
+                   lambda a: ops.fp8_comm_qkv_permute_dequant(*a),
+                   lambda a: ref.qkv_permute_dequant(*a),
+                   qrows * (D + 4) + qrows * D * 2)
+
+
+def run(lib: str, only: str | None = None):
+    torch.ops.load_library(lib)
+    ops = torch.ops.cache_dit_cuda_ops
+    bw = copy_bandwidth()
+    results = []
+    for op, label, make, run_op, run_ref, nbytes in cases(ops):
+        if only and only not in op:
+            continue
+        sets = [make() for _ in range(max(2, math.ceil(4 * L2_BYTES / nbytes)))]
+        t = time_graph([lambda a=a: run_op(a) for a in sets])
+        t_ref = time_graph([lambda a=a: run_ref(a) for a in sets[:2]], reps=3)
+        gbps = nbytes / t / 1e9
+        results.append({
+            "op": op, "shape": label, "time_us": t * 1e6, "bytes": nbytes, "gb_per_s": gbps,
+            "copy_gb_per_s": bw / 1e9, "fraction_of_copy": gbps * 1e9 / bw,
+            "torch_ref_time_us": t_ref * 1e6, "speedup_vs_torch": t_ref / t,
+        })
+        del sets
+        torch.cuda.empty_cache()
+    return {"copy_gb_per_s": bw / 1e9, "cases": results}
+
+
+def table(res) -> str:
+    lines = [f"copy bandwidth (device-to-device, read + write): {res['copy_gb_per_s']:.0f} GB/s", "",
+             "| op | shape | time (us) | GB/s | of copy BW | torch ref (us) | speed-up |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for c in res["cases"]:
+        lines.append(f"| {c['op']} | {c['shape']} | {c['time_us']:.1f} | {c['gb_per_s']:.0f} | "
+                     f"{100 * c['fraction_of_copy']:.0f}% | {c['torch_ref_time_us']:.1f} | {c['speedup_vs_torch']:.1f}x |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lib", required=True, help="path of libcache_dit_cuda_ops.so")
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--only", help="substring of the op names to run")
+    args = ap.parse_args()
+    res = run(args.lib, args.only)
+    res["device"] = torch.cuda.get_device_name()
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()

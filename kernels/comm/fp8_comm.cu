@@ -1,0 +1,578 @@
+// FP8 communication records: per-token and QKV-permute quant/dequant.
+//
+// A record is D e4m3 bytes plus a 2- or 4-byte scale (kernels/comm/fp8_comm.h),
+// so record rows are D + 2 or D + 4 bytes long and almost never 16-byte
+// aligned. Quantization writes each thread's 8 payload bytes with the widest
+// stores their alignment allows. Dequantization moves records through shared
+// memory: a block owns a run of consecutive records, one contiguous byte range,
+// and loads it with 16-byte accesses (a few single bytes at its two ends). The
+// bf16 side is read or written with 16-byte packs whenever its rows are aligned.
+//
+// Quantization keeps each row in registers between the amax reduction and the
+// conversion, so x is read from HBM once. Rows longer than the register budget
+// (D > 4096) take a one-block-per-row path that reads the row twice.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp8.h>
+
+#include "kernels/comm/fp8_comm.h"
+#include "kernels/common/cuda_utils.cuh"
+#include "kernels/ops.h"
+
+namespace cache_dit::comm {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::Pack;
+
+constexpr int kThreads = 256;
+constexpr int kPack = 8;               // bf16 values per 16-byte pack
+constexpr int kMaxRegisterChunks = 16;  // packs per thread kept in registers
+constexpr float kFp8Max = 448.f;
+
+// ---- record formats ---------------------------------------------------------
+
+// Per-token: scale = max(amax, 1e-4) / 448 (fp32), q = e4m3(x * (1 / scale)),
+// scale stored as bf16.
+struct PerTokenFormat {
+  static constexpr int kScaleBytes = kPerTokenScaleBytes;
+  __device__ static float scale(float amax) { return cuda::nan_max(amax, 1e-4f) / kFp8Max; }
+  struct Quantizer {
+    float inv;
+    __device__ float operator()(float v) const { return v * inv; }
+  };
+  __device__ static Quantizer quantizer(float scale) { return {1.f / scale}; }
+  __device__ static void store_scale(uint8_t* dst, float scale) {
+    const uint16_t bits = __bfloat16_as_ushort(__float2bfloat16_rn(scale));
+    if (reinterpret_cast<uintptr_t>(dst) % 2 == 0) {
+      *reinterpret_cast<uint16_t*>(dst) = bits;
+    } else {
+      dst[0] = bits & 0xff;
+      dst[1] = bits >> 8;
+    }
+  }
+  __device__ static float load_scale(const uint8_t* src) {
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<uint16_t>(src[0] | (src[1] << 8))));
+  }
+};
+
+// QKV: scale = max(amax / 448, 1e-6) (fp32, stored as is), q = e4m3(x / scale).
+struct QkvFormat {
+  static constexpr int kScaleBytes = kQkvScaleBytes;
+  __device__ static float scale(float amax) { return cuda::nan_max(amax / kFp8Max, 1e-6f); }
+  struct Quantizer {
+    float scale;
+    __device__ float operator()(float v) const { return __fdiv_rn(v, scale); }
+  };
+  __device__ static Quantizer quantizer(float scale) { return {scale}; }
+  __device__ static void store_scale(uint8_t* dst, float scale) {
+    const uint32_t bits = __float_as_uint(scale);
+    if (reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
+      *reinterpret_cast<uint32_t*>(dst) = bits;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[i] = (bits >> (8 * i)) & 0xff;
+    }
+  }
+  __device__ static float load_scale(const uint8_t* src) {
+    return __uint_as_float(src[0] | (src[1] << 8) | (src[2] << 16) | (static_cast<uint32_t>(src[3]) << 24));
+  }
+};
+
+// ---- where the bf16 row of record r lives (element offsets) ------------------
+
+// Row maps do their index arithmetic in the type of the record index: the
+// staged kernels pass uint32_t (they run only when the record count fits, and
+// a 64-bit division costs ~60 instructions on the way to a row's first load),
+// the long-row kernels int64_t. They return a 64-bit element offset.
+struct ContiguousRows {
+  template <typename I>
+  __device__ int64_t operator()(I r, int64_t D) const { return static_cast<int64_t>(r) * D; }
+};
+
+// Send side of the Ulysses all-to-all: record r is in [P, S, B, N] order and
+// reads x[b, s, p, n, :] through x's B/S/P strides.
+struct QkvSendRows {
+  uint32_t S, B, N;
+  int64_t stride_b, stride_s, stride_p;
+  template <typename I>
+  __device__ int64_t operator()(I r, int64_t D) const {
+    const I n = r % N;
+    I t = r / N;
+    const I b = t % B;
+    t /= B;
+    const I s = t % S;
+    const I p = t / S;
+    return b * stride_b + s * stride_s + p * stride_p + static_cast<int64_t>(n) * D;
+  }
+};
+
+// Receive side: record r is in [S, B, N] order and lands in out[b, s, n, :] of
+// a contiguous [B, S, N, D] tensor.
+struct QkvRecvRows {
+  uint32_t S, B, N;
+  template <typename I>
+  __device__ int64_t operator()(I r, int64_t D) const {
+    const I n = r % N;
+    const I t = r / N;
+    const I b = t % B;
+    const I s = t / B;
+    return ((static_cast<int64_t>(b) * S + s) * N + n) * D;
+  }
+};
+
+// ---- per-pack arithmetic ----------------------------------------------------------
+// These ops are memory-bound only if the per-element work stays a few
+// instructions: amax runs on bf16x2 pairs (abs and max are exact in bf16, and
+// __hmax2_nan keeps NaN), conversions go two values at a time.
+
+__device__ __forceinline__ __nv_bfloat162 pack_amax(const Pack<bf16, kPack>& v, __nv_bfloat162 m) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(v.e);
+#pragma unroll
+  for (int i = 0; i < kPack / 2; ++i) m = __hmax2_nan(m, __habs2(h[i]));
+  return m;
+}
+
+__device__ __forceinline__ float amax_of(__nv_bfloat162 m) {
+  return cuda::nan_max(__low2float(m), __high2float(m));
+}
+
+// 8 bf16 values -> 8 e4m3 bytes (little-endian in a uint64).
+template <class Quantizer>
+__device__ __forceinline__ uint64_t quantize_pack(const Pack<bf16, kPack>& v, const Quantizer& q) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(v.e);
+  uint64_t bytes = 0;
+#pragma unroll
+  for (int i = 0; i < kPack / 2; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    const __nv_fp8x2_storage_t b2 =
+        __nv_cvt_float2_to_fp8x2(make_float2(q(f.x), q(f.y)), __NV_SATFINITE, __NV_E4M3);
+    bytes |= static_cast<uint64_t>(b2) << (16 * i);
+  }
+  return bytes;
+}
+
+// 8 e4m3 bytes -> 8 bf16 values, y = bf16(float(q) * scale). e4m3 -> f16 is
+// exact, so going through half2 gives the same floats as a direct conversion.
+__device__ __forceinline__ Pack<bf16, kPack> dequantize_pack(uint64_t bytes, float scale) {
+  Pack<bf16, kPack> o;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(o.e);
+#pragma unroll
+  for (int i = 0; i < kPack / 2; ++i) {
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes >> (16 * i)), __NV_E4M3);
+    const float2 f = __half22float2(__half2(r));
+    h[i] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+  }
+  return o;
+}
+
+// Reads 8 bytes (or the n < 8 that remain) at p with the widest loads its
+// alignment allows.
+__device__ __forceinline__ uint64_t load_bytes(const uint8_t* p, int n) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (n == 8 && a % 8 == 0) return *reinterpret_cast<const uint64_t*>(p);
+  if (n == 8 && a % 4 == 0) {
+    return reinterpret_cast<const uint32_t*>(p)[0] |
+           (static_cast<uint64_t>(reinterpret_cast<const uint32_t*>(p)[1]) << 32);
+  }
+  uint64_t v = 0;
+  if (n == 8 && a % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v |= static_cast<uint64_t>(reinterpret_cast<const uint16_t*>(p)[i]) << (16 * i);
+    return v;
+  }
+  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+// ---- shared <-> global copies of a contiguous byte range ---------------------
+
+// smem + a and g have the same address mod 16 (a = g % 16), so the aligned
+// body of the range moves as uint4 on both sides.
+__device__ __forceinline__ void copy_global_to_smem(uint8_t* smem, const uint8_t* g, int a,
+                                                    int64_t n) {
+  const int64_t head = n < ((16 - a) & 15) ? n : ((16 - a) & 15);
+  const int64_t body = (n - head) / 16;
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) smem[a + i] = g[i];
+  const auto* gv = reinterpret_cast<const uint4*>(g + head);
+  auto* sv = reinterpret_cast<uint4*>(smem + a + head);
+  // Four loads in flight per thread before their stores: the copy is the only
+  // HBM traffic of the dequant kernels, so memory-level parallelism matters.
+  int64_t i = threadIdx.x;
+  for (; i + 3 * blockDim.x < body; i += 4 * blockDim.x) {
+    const uint4 v0 = gv[i], v1 = gv[i + blockDim.x], v2 = gv[i + 2 * blockDim.x],
+                v3 = gv[i + 3 * blockDim.x];
+    sv[i] = v0;
+    sv[i + blockDim.x] = v1;
+    sv[i + 2 * blockDim.x] = v2;
+    sv[i + 3 * blockDim.x] = v3;
+  }
+  for (; i < body; i += blockDim.x) sv[i] = gv[i];
+  for (int64_t j = head + body * 16 + threadIdx.x; j < n; j += blockDim.x) smem[a + j] = g[j];
+}
+
+// ---- quantization ------------------------------------------------------------
+
+struct QuantParams {
+  const bf16* x;
+  uint8_t* out;  // records, contiguous
+  int64_t rows, D;
+  int log2_tpr;  // threads per row (<= 32, so a row's reduction stays in a warp)
+};
+
+// Stores the low n (<= 8) bytes of v at dst with the widest accesses dst's
+// alignment allows: record rows are D + 2 or D + 4 bytes long, so a thread's
+// 8 payload bytes are usually only 2- or 4-byte aligned.
+__device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t v, int n) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst);
+  if (n == 8 && a % 8 == 0) {
+    *reinterpret_cast<uint64_t*>(dst) = v;
+  } else if (n == 8 && a % 4 == 0) {
+    reinterpret_cast<uint32_t*>(dst)[0] = static_cast<uint32_t>(v);
+    reinterpret_cast<uint32_t*>(dst)[1] = static_cast<uint32_t>(v >> 32);
+  } else if (n == 8 && a % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) reinterpret_cast<uint16_t*>(dst)[i] = static_cast<uint16_t>(v >> (16 * i));
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+}
+
+// Block = kThreads / tpr row groups x ROWS rows each; every thread holds
+// CHUNKS packs of each of its rows in registers, so all of its loads are in
+// flight before the first reduction, and writes its bytes straight to the
+// record (no shared-memory staging, no block barrier).
+template <class Format, class RowMap, int CHUNKS, int ROWS, bool VECTOR>
+__global__ void __launch_bounds__(kThreads) fp8_quant_kernel(const QuantParams p, const RowMap map) {
+  const int tpr = 1 << p.log2_tpr;
+  const int lane = threadIdx.x & (tpr - 1);
+  const int group = threadIdx.x >> p.log2_tpr;
+  const int groups = kThreads >> p.log2_tpr;
+  const int64_t rec = p.D + Format::kScaleBytes;
+  const int64_t rows_per_block = static_cast<int64_t>(groups) * ROWS;
+
+  for (int64_t row0 = blockIdx.x * rows_per_block; row0 < p.rows;
+       row0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    Pack<bf16, kPack> v[ROWS][CHUNKS];
+    float amax[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int64_t row = row0 + static_cast<int64_t>(i) * groups + group;
+      // A thread past the last row still joins the shuffles; it reads row 0
+      // (always valid) and writes nothing.
+      const bf16* src = p.x + (row < p.rows ? map(static_cast<uint32_t>(row), p.D) : 0);
+      __nv_bfloat162 m = __float2bfloat162_rn(0.f);
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * tpr;
+        if (VECTOR && c * kPack < p.D) {
+          v[i][k] = reinterpret_cast<const Pack<bf16, kPack>*>(src)[c];
+        } else {
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            const int64_t d = c * kPack + e;
+            v[i][k].e[e] = d < p.D ? src[d] : __float2bfloat16_rn(0.f);
+          }
+        }
+        m = pack_amax(v[i][k], m);
+      }
+      amax[i] = amax_of(m);
+    }
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      for (int off = tpr >> 1; off > 0; off >>= 1) {
+        amax[i] = cuda::nan_max(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], off));
+      }
+    }
+
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int64_t row = row0 + static_cast<int64_t>(i) * groups + group;
+      if (row >= p.rows) continue;
+      const float scale = Format::scale(amax[i]);
+      const auto q = Format::quantizer(scale);
+      uint8_t* drow = p.out + row * rec;
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        const int64_t c = lane + static_cast<int64_t>(k) * tpr;
+        if (c * kPack >= p.D) break;
+        const uint64_t bytes = quantize_pack(v[i][k], q);
+        store_bytes(drow + c * kPack, bytes, static_cast<int>(p.D - c * kPack < kPack ? p.D - c * kPack : kPack));
+      }
+      if (lane == 0) Format::store_scale(drow + p.D, scale);
+    }
+  }
+}
+
+// One block per row, row read twice (amax, then conversion): for rows too long
+// to keep in registers.
+template <class Format, class RowMap>
+__global__ void __launch_bounds__(kThreads) fp8_quant_long_rows_kernel(const QuantParams p, const RowMap map) {
+  __shared__ float warp_amax[kThreads / 32];
+  const int64_t rec = p.D + Format::kScaleBytes;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const bf16* src = p.x + map(row, p.D);
+    float amax = 0.f;
+    for (int64_t d = threadIdx.x; d < p.D; d += blockDim.x) amax = cuda::nan_max(amax, fabsf(__bfloat162float(src[d])));
+    for (int off = 16; off > 0; off >>= 1) amax = cuda::nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.f;
+    for (int w = 0; w < kThreads / 32; ++w) amax = cuda::nan_max(amax, warp_amax[w]);
+    const float scale = Format::scale(amax);
+    const auto q = Format::quantizer(scale);
+    uint8_t* dst = p.out + row * rec;
+    for (int64_t d = threadIdx.x; d < p.D; d += blockDim.x) {
+      dst[d] = __nv_cvt_float_to_fp8(q(__bfloat162float(src[d])), __NV_SATFINITE, __NV_E4M3);
+    }
+    if (threadIdx.x == 0) Format::store_scale(dst + p.D, scale);
+    __syncthreads();  // warp_amax is reused by the next row
+  }
+}
+
+template <class Format, class RowMap, int CHUNKS, int ROWS>
+void launch_quant(const QuantParams& p, const RowMap& map, bool vector, cudaStream_t stream) {
+  const int groups = kThreads >> p.log2_tpr;
+  const int64_t rows_per_block = static_cast<int64_t>(groups) * ROWS;
+  const int64_t blocks = std::min<int64_t>(cuda::ceil_div(p.rows, rows_per_block), INT32_MAX);
+  if (vector) {
+    fp8_quant_kernel<Format, RowMap, CHUNKS, ROWS, true><<<blocks, kThreads, 0, stream>>>(p, map);
+  } else {
+    fp8_quant_kernel<Format, RowMap, CHUNKS, ROWS, false><<<blocks, kThreads, 0, stream>>>(p, map);
+  }
+}
+
+template <class Format, class RowMap>
+void quantize_rows(const bf16* x, uint8_t* out, int64_t rows, int64_t D, const RowMap& map,
+                   bool vector, cudaStream_t stream) {
+  QuantParams p{x, out, rows, D, 0};
+  const int64_t packs = cuda::ceil_div(D, kPack);
+  const int tpr = cuda::threads_per_row(packs);
+  p.log2_tpr = __builtin_ctz(tpr);
+  const int64_t chunks = cuda::ceil_div(packs, tpr);
+  const bool huge = rows > INT32_MAX;  // record indices must fit the 32-bit row maps
+  if (huge) {
+    const int64_t blocks = std::min<int64_t>(rows, INT32_MAX);
+    fp8_quant_long_rows_kernel<Format, RowMap><<<blocks, kThreads, 0, stream>>>(p, map);
+  } else if (chunks == 1) {  // D <= 8
+    launch_quant<Format, RowMap, 1, 4>(p, map, vector, stream);
+  } else if (chunks == 2) {  // D <= 16
+    launch_quant<Format, RowMap, 2, 2>(p, map, vector, stream);
+  } else if (chunks <= 4) {
+    launch_quant<Format, RowMap, 4, 1>(p, map, vector, stream);
+  } else if (chunks <= 8) {
+    launch_quant<Format, RowMap, 8, 1>(p, map, vector, stream);
+  } else if (chunks <= kMaxRegisterChunks && !huge) {
+    launch_quant<Format, RowMap, kMaxRegisterChunks, 1>(p, map, vector, stream);
+  } else {
+    const int64_t blocks = std::min<int64_t>(rows, INT32_MAX);
+    fp8_quant_long_rows_kernel<Format, RowMap><<<blocks, kThreads, 0, stream>>>(p, map);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---- dequantization ------------------------------------------------------------
+
+struct DequantParams {
+  const uint8_t* in;  // records, contiguous
+  bf16* out;
+  int64_t rows, D;
+  int log2_tpr;
+  int rows_per_thread;
+};
+
+template <class Format, class RowMap, bool VECTOR>
+__global__ void __launch_bounds__(kThreads) fp8_dequant_kernel(const DequantParams p, const RowMap map) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tpr = 1 << p.log2_tpr;
+  const int lane = threadIdx.x & (tpr - 1);
+  const int group = threadIdx.x >> p.log2_tpr;
+  const int groups = kThreads >> p.log2_tpr;
+  const int64_t rec = p.D + Format::kScaleBytes;
+  const int64_t rows_per_block = static_cast<int64_t>(groups) * p.rows_per_thread;
+
+  for (int64_t row0 = blockIdx.x * rows_per_block; row0 < p.rows;
+       row0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int64_t nrows = min(rows_per_block, p.rows - row0);
+    const uint8_t* gsrc = p.in + row0 * rec;
+    const int a = reinterpret_cast<uintptr_t>(gsrc) & 15;
+    copy_global_to_smem(smem, gsrc, a, nrows * rec);
+    __syncthreads();
+    for (int64_t r = group; r < nrows; r += groups) {
+      const uint8_t* srow = smem + a + r * rec;
+      const float scale = Format::load_scale(srow + p.D);
+      bf16* dst = p.out + map(static_cast<uint32_t>(row0 + r), p.D);
+      for (int64_t c = lane; c * kPack < p.D; c += tpr) {
+        const int n = static_cast<int>(p.D - c * kPack < kPack ? p.D - c * kPack : kPack);
+        const Pack<bf16, kPack> o = dequantize_pack(load_bytes(srow + c * kPack, n), scale);
+        if (VECTOR) {
+          reinterpret_cast<Pack<bf16, kPack>*>(dst)[c] = o;
+        } else {
+          for (int e = 0; e < n; ++e) dst[c * kPack + e] = o.e[e];
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Rows too long to stage a block's worth of records in shared memory.
+template <class Format, class RowMap>
+__global__ void __launch_bounds__(kThreads) fp8_dequant_long_rows_kernel(const DequantParams p, const RowMap map) {
+  const int64_t rec = p.D + Format::kScaleBytes;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const uint8_t* src = p.in + row * rec;
+    const float scale = Format::load_scale(src + p.D);
+    bf16* dst = p.out + map(row, p.D);
+    for (int64_t d = threadIdx.x; d < p.D; d += blockDim.x) {
+      __nv_fp8_e4m3 q;
+      q.__x = src[d];
+      dst[d] = __float2bfloat16_rn(static_cast<float>(q) * scale);
+    }
+  }
+}
+
+template <class Format, class RowMap>
+void dequantize_rows(const uint8_t* in, bf16* out, int64_t rows, int64_t D, const RowMap& map,
+                     bool vector, cudaStream_t stream) {
+  DequantParams p{in, out, rows, D, 0, 1};
+  const int64_t packs = cuda::ceil_div(D, kPack);
+  const int tpr = cuda::threads_per_row(packs);
+  p.log2_tpr = __builtin_ctz(tpr);
+  const int groups = kThreads / tpr;
+  // Stage ~16 KiB of records per block, so each thread has four 16-byte loads
+  // in flight: the staging copy is all the HBM traffic these kernels read.
+  const int64_t rec = D + Format::kScaleBytes;
+  p.rows_per_thread = static_cast<int>(std::clamp<int64_t>(cuda::ceil_div(16384, groups * rec), 1, 16));
+  const size_t smem = static_cast<size_t>(groups) * p.rows_per_thread * rec + 16;
+  if (smem > 48 * 1024 || rows > INT32_MAX) {
+    const int64_t blocks = std::min<int64_t>(rows, INT32_MAX);
+    fp8_dequant_long_rows_kernel<Format, RowMap><<<blocks, kThreads, 0, stream>>>(p, map);
+  } else {
+    const int64_t blocks =
+        std::min<int64_t>(cuda::ceil_div(rows, static_cast<int64_t>(groups) * p.rows_per_thread), INT32_MAX);
+    if (vector) {
+      fp8_dequant_kernel<Format, RowMap, true><<<blocks, kThreads, smem, stream>>>(p, map);
+    } else {
+      fp8_dequant_kernel<Format, RowMap, false><<<blocks, kThreads, smem, stream>>>(p, map);
+    }
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---- launchers: checks, device guard, current stream -----------------------------
+
+const bf16* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+bf16* bf16_ptr(at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+const uint8_t* byte_ptr(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
+uint8_t* byte_ptr(at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+void per_token_quant_launcher(const at::Tensor& x, at::Tensor& out) {
+  check_per_token_quant(x, &out);
+  const int64_t D = x.size(-1);
+  const int64_t rows = x.numel() / D;
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool vector = D % kPack == 0 && cuda::is_aligned(x.data_ptr(), 16);
+  quantize_rows<PerTokenFormat>(bf16_ptr(x), byte_ptr(out), rows, D, ContiguousRows{}, vector,
+                                at::cuda::getCurrentCUDAStream());
+}
+
+void per_token_dequant_launcher(const at::Tensor& x, at::Tensor& out) {
+  check_per_token_dequant(x, &out);
+  const int64_t D = x.size(-1) - kPerTokenScaleBytes;
+  const int64_t rows = x.numel() / (D + kPerTokenScaleBytes);
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool vector = D % kPack == 0 && cuda::is_aligned(out.data_ptr(), 16);
+  dequantize_rows<PerTokenFormat>(byte_ptr(x), bf16_ptr(out), rows, D, ContiguousRows{}, vector,
+                                  at::cuda::getCurrentCUDAStream());
+}
+
+void qkv_permute_quant_launcher(const at::Tensor& x, at::Tensor& out) {
+  check_qkv_permute_quant(x, &out);
+  const int64_t B = x.size(0), S = x.size(1), P = x.size(2), N = x.size(3), D = x.size(4);
+  const int64_t rows = P * S * B * N;
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const QkvSendRows map{static_cast<uint32_t>(S), static_cast<uint32_t>(B), static_cast<uint32_t>(N),
+                          x.stride(0), x.stride(1), x.stride(2)};
+  const bool vector = D % kPack == 0 && cuda::is_aligned(x.data_ptr(), 16) &&
+                      map.stride_b % kPack == 0 && map.stride_s % kPack == 0 &&
+                      map.stride_p % kPack == 0;
+  quantize_rows<QkvFormat>(bf16_ptr(x), byte_ptr(out), rows, D, map, vector,
+                           at::cuda::getCurrentCUDAStream());
+}
+
+void qkv_permute_dequant_launcher(const at::Tensor& quant_x, at::Tensor& out) {
+  check_qkv_permute_dequant(quant_x, &out);
+  const int64_t S = quant_x.size(0), B = quant_x.size(1), N = quant_x.size(2);
+  const int64_t D = quant_x.size(3) - kQkvScaleBytes;
+  const int64_t rows = S * B * N;
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(quant_x.device());
+  const bool vector = D % kPack == 0 && cuda::is_aligned(out.data_ptr(), 16);
+  dequantize_rows<QkvFormat>(byte_ptr(quant_x), bf16_ptr(out), rows, D, QkvRecvRows{static_cast<uint32_t>(S), static_cast<uint32_t>(B), static_cast<uint32_t>(N)},
+                             vector, at::cuda::getCurrentCUDAStream());
+}
+
+at::Tensor empty_like_shape(const std::vector<c10::SymInt>& shape, const at::Tensor& like,
+                            at::ScalarType dtype) {
+  return at::empty_symint(shape, like.options().dtype(dtype));
+}
+
+}  // namespace
+
+// ---- entry points --------------------------------------------------------------
+
+at::Tensor fp8_comm_per_token_quant_out(const at::Tensor& x, at::Tensor& out) {
+  per_token_quant_launcher(x, out);
+  return out;
+}
+
+at::Tensor fp8_comm_per_token_quant(const at::Tensor& x) {
+  check_per_token_quant(x, nullptr);
+  at::Tensor out = empty_like_shape(per_token_quant_shape(x), x, at::kFloat8_e4m3fn);
+  per_token_quant_launcher(x, out);
+  return out;
+}
+
+at::Tensor fp8_comm_per_token_dequant_out(const at::Tensor& x, at::Tensor& out) {
+  per_token_dequant_launcher(x, out);
+  return out;
+}
+
+at::Tensor fp8_comm_per_token_dequant(const at::Tensor& x) {
+  check_per_token_dequant(x, nullptr);
+  at::Tensor out = empty_like_shape(per_token_dequant_shape(x), x, at::kBFloat16);
+  per_token_dequant_launcher(x, out);
+  return out;
+}
+
+at::Tensor fp8_comm_qkv_permute_quant_out(const at::Tensor& x, at::Tensor& out) {
+  qkv_permute_quant_launcher(x, out);
+  return out;
+}
+
+at::Tensor fp8_comm_qkv_permute_quant(const at::Tensor& x) {
+  check_qkv_permute_quant(x, nullptr);
+  at::Tensor out = empty_like_shape(qkv_permute_quant_shape(x), x, at::kFloat8_e4m3fn);
+  qkv_permute_quant_launcher(x, out);
+  return out;
+}
+
+at::Tensor fp8_comm_qkv_permute_dequant_out(const at::Tensor& quant_x, at::Tensor& out) {
+  qkv_permute_dequant_launcher(quant_x, out);
+  return out;
+}
+
+at::Tensor fp8_comm_qkv_permute_dequant(const at::Tensor& quant_x) {
+  check_qkv_permute_dequant(quant_x, nullptr);
+  at::Tensor out = empty_like_shape(qkv_permute_dequant_shape(quant_x), quant_x, at::kBFloat16);
+  qkv_permute_dequant_launcher(quant_x, out);
+  return out;
+}
+
+}  // namespace cache_dit::comm

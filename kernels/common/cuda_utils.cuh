@@ -1,0 +1,59 @@
+// File: kernels/common/cuda_utils.cuh
+//
+// Device helpers shared by the kernel families: 16-byte packs, dtype
+// conversions through fp32, a NaN-propagating max, and launch arithmetic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace cache_dit::cuda {
+
+// N elements of T moved as one aligned vector access (16 bytes when
+// sizeof(T) * N == 16).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T e[N];
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// max that returns NaN when either side is NaN (fmaxf drops NaN, and a NaN
+// amax or LSE must reach the output rather than vanish).
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+inline bool is_aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+inline int next_pow2(int64_t v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Threads that share one row of `units` vector accesses: a power of two
+// <= 32 (a row's reduction stays within a warp), giving each thread about
+// four accesses so per-row work (index math, LSE or scale arithmetic,
+// shuffles) is spread over enough bytes to keep the kernels memory-bound.
+inline int threads_per_row(int64_t units) { return std::min(32, next_pow2(ceil_div(units, 4))); }
+
+}  // namespace cache_dit::cuda

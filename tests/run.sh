@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The project's test command (README, .ci/run). No GPU needed.
+#
+#   ./tests/run.sh
+#
+# 1. deploy/install.sh            (skipped with CACHE_DIT_SKIP_INSTALL=1)
+# 2. deploy/build.sh              one CUDA target: CACHE_DIT_CUDA_ARCH_LIST,
+#                                 default 90a, to keep CI short
+# 3. ctest -LE gpu                GoogleTest suites that need no device
+# 4. pytest tests/kernels, tests/python -m "not gpu" (one process each)
+# ctest and pytest both run whatever the other did; the script exits non-zero
+# when any step failed, when ctest found no test, or when pytest collected none
+# (its exit code 5). JUnit files and the build folder: ${CACHE_DIT_BUILD_DIR:-build}.
+# The last line is `N passed, N failed, N skipped`, summed over ctest and pytest.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+VENV="${CACHE_DIT_VENV:-$ROOT/.venv}"
+BUILD_DIR="${CACHE_DIT_BUILD_DIR:-$ROOT/build}"
+export CACHE_DIT_BUILD_DIR="$BUILD_DIR"
+export CACHE_DIT_CUDA_ARCH_LIST="${CACHE_DIT_CUDA_ARCH_LIST:-90a}"
+export CACHE_DIT_OPD_BUILD_DIR="$BUILD_DIR"
+RESULTS="$BUILD_DIR/test-results"
+START=$SECONDS
+
+say() { echo "tests/run.sh: $*"; }
+status_of() { if [ "$1" -eq 0 ]; then echo ok; else echo "FAILED (exit $1)"; fi; }
+
+# ---- 1. install ---------------------------------------------------------------
+if [ "${CACHE_DIT_SKIP_INSTALL:-0}" = "1" ]; then
+  say "install skipped (CACHE_DIT_SKIP_INSTALL=1)"
+  INSTALL_RC=0
+else
+  say "== install: deploy/install.sh"
+  ./deploy/install.sh
+  INSTALL_RC=$?
+fi
+if [ "$INSTALL_RC" -ne 0 ]; then
+  say "install $(status_of "$INSTALL_RC"); nothing else can run"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
+PY="$VENV/bin/python"
+[ -x "$PY" ] || PY="$(command -v python3)"
+
+# ---- 2. build -----------------------------------------------------------------
+say "== build: deploy/build.sh (CUDA targets $CACHE_DIT_CUDA_ARCH_LIST) into $BUILD_DIR"
+CACHE_DIT_PYTHON="${CACHE_DIT_PYTHON:-$PY}" ./deploy/build.sh
+BUILD_RC=$?
+mkdir -p "$RESULTS"
+rm -f "$RESULTS/ctest.xml"
+
+# ---- 3. ctest -----------------------------------------------------------------
+if [ "$BUILD_RC" -eq 0 ]; then
+  say "== ctest (label gpu excluded)"
+  ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -LE gpu \
+    --output-junit "$RESULTS/ctest.xml"
+  CTEST_RC=$?
+else
+  say "== ctest not run: the build failed"
+  CTEST_RC=1
+fi
+
+# ---- 4. pytest ----------------------------------------------------------------
+# One pytest process per suite: tests/kernels loads the kernel library, which
+# defines namespace cache_dit_cuda_ops; tests/python imports the client, which
+# defines it too, and one process can hold only one definition.
+if [ -d "$ROOT/python" ]; then export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"; fi
+export CACHE_DIT_OPD_REQUIRE_BUILD=1
+JUNIT=("$RESULTS/ctest.xml" "$CTEST_RC")
+PYTEST_RC=0
+for suite in tests/kernels tests/python; do
+  say "== pytest $suite -m 'not gpu'"
+  xml="$RESULTS/pytest-$(basename "$suite").xml"
+  rm -f "$xml"
+  "$PY" -m pytest "$suite" -q -m "not gpu" --junitxml="$xml"
+  rc=$?
+  [ "$rc" -eq 5 ] && say "pytest collected no test in $suite (exit 5): counted as a failure"
+  [ "$rc" -ne 0 ] && PYTEST_RC=$rc
+  JUNIT+=("$xml" "$rc")
+done
+
+# ---- summary ------------------------------------------------------------------
+# Count testcases in both JUnit files; a step that failed without a failing
+# testcase (build error, no tests, crash) counts as one failure.
+COUNTS="$("$PY" tests/junit_summary.py "${JUNIT[@]}")" || COUNTS="0 1 0"
+read -r N_PASS N_FAIL N_SKIP <<< "$COUNTS"
+
+say "install $(status_of "$INSTALL_RC"), build $(status_of "$BUILD_RC"), ctest $(status_of "$CTEST_RC"), pytest $(status_of "$PYTEST_RC"); $((SECONDS - START)) s"
+echo "$N_PASS passed, $N_FAIL failed, $N_SKIP skipped"
+if [ "$BUILD_RC" -ne 0 ] || [ "$CTEST_RC" -ne 0 ] || [ "$PYTEST_RC" -ne 0 ] || [ "$N_FAIL" -ne 0 ]; then
+  exit 1
+fi
+exit 0
