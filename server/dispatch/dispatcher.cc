@@ -427,6 +427,22 @@ class PreparedCallImpl final : public PreparedCall {
   const std::string& op_name() const override { return op_name_; }
   const std::vector<uint64_t>& regions() const override { return regions_; }
 
+  Status Validate() {
+    if (meta_ || !op_.hasKernelForDispatchKey(c10::DispatchKey::Meta)) return Status::Ok();
+    try {
+      c10::InferenceMode inference;
+      torch::jit::Stack stack = args_;
+      // The Meta kernel of an out overload checks and returns its outputs;
+      // it reads only metadata and addresses, never the memory.
+      op_.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    } catch (const c10::Error& e) {
+      return Status::InvalidArgument(op_name_, ": ", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      return Status::Internal(op_name_, ": ", e.what());
+    }
+    return Status::Ok();
+  }
+
   Status Run(cudaStream_t stream, bool* sticky_cuda_error) {
     Status status;
     try {
@@ -546,6 +562,12 @@ Status PrepareCall(const CallRequest& req, const RegionResolver& regions, bool d
   *out = std::make_unique<PreparedCallImpl>(op_name, std::move(*op), std::move(args),
                                             decoder.TakeRegions(), device, device_type_meta);
   return Status::Ok();
+}
+
+Status ValidateCall(PreparedCall& call) {
+  auto* prepared = dynamic_cast<PreparedCallImpl*>(&call);
+  if (prepared == nullptr) return Status::Internal("ValidateCall takes only calls made by PrepareCall");
+  return prepared->Validate();
 }
 
 Status RunCall(PreparedCall& call, void* cuda_stream, bool* sticky_cuda_error) {

@@ -83,6 +83,13 @@ class PreparedCall {
 Status PrepareCall(const CallRequest& req, const RegionResolver& regions, bool device_type_meta,
                    std::unique_ptr<PreparedCall>* out);
 
+// Runs the op's own checks (its Meta kernel, which calls the same check
+// function as its CUDA launcher) on the prepared arguments, without touching
+// the GPU, so a call can be accepted or rejected before its inputs are ready.
+// OK when the op has no Meta kernel (its checks then run in RunCall).
+// INVALID_ARGUMENT with the op's message when a check fails.
+Status ValidateCall(PreparedCall& call);
+
 // Runs a prepared call on `cuda_stream` (a cudaStream_t of the region's
 // device; ignored for meta calls): sets the device and the current stream,
 // calls the overload through the boxed dispatcher. A c10::Error from the

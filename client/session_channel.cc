@@ -1,0 +1,134 @@
+#include "client/session_channel.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "cache_dit_opd/v1/session_memory.h"
+
+namespace cache_dit_opd::client {
+
+namespace v1 = ::cache_dit_opd::v1;
+
+void UniqueFd::reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+Status ConnectSessionChannel(const std::string& path, UniqueFd* out) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return Status::InvalidArgument("session channel path '", path, "' is empty or longer than ",
+                                   sizeof(addr.sun_path) - 1, " bytes");
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return Status::Internal("socket(AF_UNIX, SOCK_SEQPACKET): ", std::strerror(errno));
+  int rc;
+  do {
+    rc = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    return Status::Unavailable("connect to session channel ", path, ": ", std::strerror(errno));
+  }
+  *out = std::move(fd);
+  return Status::Ok();
+}
+
+Status BindSession(int fd, uint64_t session_id, std::string_view token, int timeout_ms,
+                   uint64_t expected_bytes, UniqueFd* memfd, uint64_t* shm_bytes) {
+  if (token.size() != v1::kTokenBytes) {
+    return Status::InvalidArgument("session token is ", token.size(), " bytes, expected ", v1::kTokenBytes);
+  }
+  v1::BindRequest req{};
+  req.magic = v1::kBindRequestMagic;
+  req.protocol_version = v1::kProtocolVersion;
+  req.session_id = session_id;
+  std::memcpy(req.token, token.data(), v1::kTokenBytes);
+  ssize_t n;
+  do {
+    n = ::send(fd, &req, sizeof(req), MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n != static_cast<ssize_t>(sizeof(req))) {
+    return Status::Unavailable("send BindRequest on the session channel: ",
+                               n < 0 ? std::strerror(errno) : "short write");
+  }
+
+  pollfd p{fd, POLLIN, 0};
+  int rc;
+  do {
+    rc = ::poll(&p, 1, timeout_ms);
+  } while (rc < 0 && errno == EINTR);
+  if (rc == 0) return Status::DeadlineExceeded("no BindReply on the session channel within ", timeout_ms, " ms");
+  if (rc < 0) return Status::Internal("poll(session channel): ", std::strerror(errno));
+
+  // One byte more than a BindReply, so an oversized message shows up as
+  // MSG_TRUNC or a longer read instead of passing as a valid reply.
+  alignas(v1::BindReply) char buf[sizeof(v1::BindReply) + 1];
+  constexpr int kMaxFds = 8;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  iovec iov{buf, sizeof(buf)};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  do {
+    n = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return Status::Unavailable("recvmsg(session channel): ", std::strerror(errno));
+
+  // Take ownership of every descriptor received before judging the message,
+  // so none leaks on an error path.
+  std::vector<UniqueFd> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int f;
+        std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.emplace_back(f);
+      }
+    }
+  }
+  if (n == 0) {
+    return Status::Unavailable("the daemon closed the session channel before replying to the bind "
+                               "(session expired, wrong token, or daemon shutting down)");
+  }
+  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || n != static_cast<ssize_t>(sizeof(v1::BindReply))) {
+    return Status::Internal("malformed BindReply: ", n, " bytes (expected ", sizeof(v1::BindReply),
+                            ")", (msg.msg_flags & MSG_CTRUNC) ? ", control data truncated" : "");
+  }
+  v1::BindReply reply;
+  std::memcpy(&reply, buf, sizeof(reply));
+  if (reply.status_code != 0) {
+    const size_t len = strnlen(reply.message, sizeof(reply.message));
+    const int code = reply.status_code;
+    const auto sc = (code > 0 && code <= static_cast<int>(StatusCode::kUnavailable))
+                        ? static_cast<StatusCode>(code)
+                        : StatusCode::kUnknown;
+    return Status(sc, "session bind refused by the daemon: " + std::string(reply.message, len));
+  }
+  if (reply.layout_version != v1::kLayoutVersion) {
+    return Status::FailedPrecondition("daemon session memory layout version ", reply.layout_version,
+                                      " is not the client's ", v1::kLayoutVersion);
+  }
+  if (fds.size() != 1) {
+    return Status::Internal("BindReply carried ", fds.size(), " file descriptors, expected exactly 1");
+  }
+  if (expected_bytes != 0 && reply.shared_memory_bytes != expected_bytes) {
+    return Status::Internal("BindReply announces ", reply.shared_memory_bytes,
+                            " bytes of session memory, OpenSession announced ", expected_bytes);
+  }
+  *memfd = std::move(fds[0]);
+  *shm_bytes = reply.shared_memory_bytes;
+  return Status::Ok();
+}
+
+}  // namespace cache_dit_opd::client

@@ -1,0 +1,109 @@
+"""cache_dit_opd: the Python client of the cache-dit operator daemon.
+
+Importing the package defines the proxy ops ``torch.ops.cache_dit_cuda_ops.*``
+with local fakes; it needs neither a daemon nor a GPU. The first op call on a
+CUDA device opens a session with the daemon that serves that GPU (found by its
+UUID; ``CACHE_DIT_OPD_ADDRESS`` overrides the lookup). Ops live in
+:mod:`cache_dit_opd.kernels`.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import kernels  # noqa: E402  (defines the ops in cache_dit_cuda_ops)
+from ._session import CatalogSkewError, DaemonUnavailableError, SessionFailedError  # noqa: E402
+
+__all__ = [
+    "CatalogSkewError",
+    "DaemonUnavailableError",
+    "SessionFailedError",
+    "close_sessions",
+    "daemon_address",
+    "daemon_info",
+    "daemon_stats",
+    "kernels",
+    "synchronize",
+]
+
+
+def synchronize(device=None) -> None:
+    """Waits for ``device``'s work, then raises any error the daemon reported asynchronously.
+
+    Errors that could not be raised at a call site (the daemon died with calls
+    unfinished; with the shared-memory ring in asynchronous mode, a rejected
+    call) are raised here, once. With no CUDA device it only reports errors.
+    """
+    import torch
+
+    from . import _session
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+    errors = _session.take_deferred_errors()
+    if errors:
+        if len(errors) > 1:
+            raise type(errors[0])(
+                f"{errors[0]}\n(and {len(errors) - 1} more: " + "; ".join(str(e) for e in errors[1:]) + ")"
+            )
+        raise errors[0]
+
+
+def daemon_address(device=None) -> str | None:
+    """The gRPC target of the daemon that serves ``device`` (a torch CUDA device), or None if none is found."""
+    from . import _discovery, _session
+
+    return _discovery.find_daemon(_discovery.gpu_uuid(_session._device_index(device)))[0]
+
+
+def daemon_info(device=None) -> dict:
+    """The session with ``device``'s daemon (opened if needed): address, versions, session id, lanes, catalog."""
+    from . import _session
+
+    s = _session.get_session(device)
+    v = s.version
+    return {
+        "address": s.target,
+        "gpu_uuid": s.reply.gpu_uuid or s.uuid,
+        "daemon_version": v.daemon_version,
+        "protocol_version": v.protocol_version,
+        "git_commit": v.git_commit,
+        "torch_version": v.torch_version,
+        "session_id": s.reply.session_id,
+        "lanes": s.reply.lanes,
+        "transport": s.transport.name,
+        "catalog": sorted(f"{n}.{o}" if o else n for n, o in s.catalog),
+    }
+
+
+def daemon_stats(device=None) -> dict:
+    """The daemon's counters (GetStats) with this process's session for ``device``: a plain dict."""
+    from . import _session
+
+    return _message_to_dict(_session.get_session(device).stats())
+
+
+def _message_to_dict(msg) -> dict:
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        v = getattr(msg, f.name)
+        if f.message_type is not None:
+            v = [_message_to_dict(m) for m in v] if _is_repeated(f) else _message_to_dict(v)
+        elif _is_repeated(f):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def _is_repeated(field) -> bool:
+    rep = getattr(field, "is_repeated", None)  # protobuf >= 5.28
+    if rep is not None:
+        return rep
+    return field.label == field.LABEL_REPEATED
+
+
+def close_sessions() -> None:
+    """Closes this process's sessions; the next op call opens new ones."""
+    from . import _session
+
+    _session.close_all()

@@ -1,0 +1,168 @@
+"""Attention-state merge, served by the cache-dit-opd daemon.
+
+``cache_dit_cuda_ops::fused_merge_attn_states`` combines two partial attention
+results over disjoint key sets (e.g. a cached prefix and a fresh suffix) from
+their outputs and log-sum-exps. Semantics: DESIGN.md section 3 ("attn").
+
+Layout of this module (same order in every domain module): daemon-connection
+accessors, validation, torch.library definitions, the CUDA impl that forwards
+to the daemon, fakes, public wrappers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _proxy, _session
+
+__all__ = [
+    "attn_extension_is_available",
+    "attn_get_load_error",
+    "fused_merge_attn_states",
+]
+
+_FAMILY = "attn"
+_SCHEMAS = {
+    "fused_merge_attn_states": (
+        "(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse) -> (Tensor out, Tensor lse)"
+    ),
+    "fused_merge_attn_states.out": (
+        "(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse, *, Tensor(a!) out, Tensor(b!) lse)"
+        " -> (Tensor(a!) out, Tensor(b!) lse)"
+    ),
+}
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# -- daemon connection -------------------------------------------------------------------
+
+
+def attn_extension_is_available(device=None) -> bool:
+    """True when a daemon serving the attn ops is reachable for ``device`` (default: current CUDA device)."""
+    return attn_get_load_error(device) is None
+
+
+def attn_get_load_error(device=None) -> Exception | None:
+    """Why the attn ops are unavailable for ``device``, or None. Opens the session if needed."""
+    try:
+        _get_required_attn_session(device)
+    except (RuntimeError, ValueError) as e:
+        return e
+    return None
+
+
+def _get_required_attn_session(device=None) -> "_session.Session":
+    """The session serving the attn ops; RuntimeError naming the command that starts a daemon otherwise."""
+    return _session.require(_FAMILY, _SCHEMAS, device)
+
+
+# -- validation (shared by the proxy impls and the fakes) ----------------------------------
+
+
+def _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse) -> None:
+    op = "fused_merge_attn_states"
+    for name, t in (("prev_out", prev_out), ("suff_out", suff_out)):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be [B, S, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _OUT_DTYPES:
+            raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.shape[-1] < 1:
+            raise ValueError(f"{op}: {name} head dim D must be >= 1, got {t.shape[-1]}")
+        if t.shape[-1] != 1 and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} last dim must have stride 1, got strides {tuple(t.stride())}")
+    if tuple(prev_out.shape) != tuple(suff_out.shape):
+        raise ValueError(
+            f"{op}: prev_out and suff_out must have the same shape, got {tuple(prev_out.shape)} "
+            f"and {tuple(suff_out.shape)}"
+        )
+    b, s, h, _ = suff_out.shape
+    for name, t in (("prev_lse", prev_lse), ("suff_lse", suff_lse)):
+        if t.dim() != 4 or tuple(t.shape) != (b, s, h, 1):
+            raise ValueError(f"{op}: {name} must be [B, S, H, 1] = {(b, s, h, 1)}, got shape {tuple(t.shape)}")
+        if t.dtype not in _LSE_DTYPES:
+            raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
+    devs = {t.device for t in (prev_out, prev_lse, suff_out, suff_lse)}
+    if len(devs) != 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(str(d) for d in devs)}")
+
+
+# -- definitions -------------------------------------------------------------------------
+
+_LIB = torch.library.Library(_proxy.NAMESPACE, "FRAGMENT")
+_FAKE_PRESENT = _proxy.define_or_adopt(_LIB, _SCHEMAS, tags=_proxy.PROXY_TAGS)
+
+
+def _call_fused_merge_attn_states(device_index, prev_out, prev_lse, suff_out, suff_lse, out, lse) -> None:
+    # Thin bridge: the daemon's .out overload takes every argument in schema order.
+    _session.run(_get_required_attn_session, device_index, "fused_merge_attn_states",
+                 [prev_out, prev_lse, suff_out, suff_lse, out, lse])
+
+
+def _fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse):
+    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse)
+    idx = _proxy.device_index("fused_merge_attn_states", prev_out, prev_lse, suff_out, suff_lse)
+    _proxy.check_not_capturing("fused_merge_attn_states", idx)
+    _get_required_attn_session(idx)
+    out = torch.empty(suff_out.shape, dtype=suff_out.dtype, device=suff_out.device)
+    lse = torch.empty(suff_lse.shape, dtype=suff_lse.dtype, device=suff_lse.device)
+    if out.numel():
+        _call_fused_merge_attn_states(idx, prev_out, prev_lse, suff_out, suff_lse, out, lse)
+    return out, lse
+
+
+def _fused_merge_attn_states_out(prev_out, prev_lse, suff_out, suff_lse, *, out, lse):
+    op = "fused_merge_attn_states.out"
+    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse)
+    idx = _proxy.device_index(op, prev_out, prev_lse, suff_out, suff_lse, out, lse)
+    _proxy.check_out(op, "out", out, suff_out.shape, suff_out.dtype, suff_out.device)
+    _proxy.check_out(op, "lse", lse, suff_lse.shape, suff_lse.dtype, suff_lse.device)
+    _proxy.check_not_capturing(op, idx)
+    if out.numel():
+        _call_fused_merge_attn_states(idx, prev_out, prev_lse, suff_out, suff_lse, out, lse)
+    return out, lse
+
+
+def _fake_fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse):
+    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse)
+    out = torch.empty(suff_out.shape, dtype=suff_out.dtype, device=suff_out.device)
+    lse = torch.empty(suff_lse.shape, dtype=suff_lse.dtype, device=suff_lse.device)
+    return out, lse
+
+
+def _fake_fused_merge_attn_states_out(prev_out, prev_lse, suff_out, suff_lse, *, out, lse):
+    op = "fused_merge_attn_states.out"
+    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse)
+    _proxy.check_out(op, "out", out, suff_out.shape, suff_out.dtype, suff_out.device)
+    _proxy.check_out(op, "lse", lse, suff_lse.shape, suff_lse.dtype, suff_lse.device)
+    return out, lse
+
+
+_proxy.attach(_LIB, "fused_merge_attn_states", _fused_merge_attn_states, _fake_fused_merge_attn_states,
+              _FAKE_PRESENT)
+_proxy.attach(_LIB, "fused_merge_attn_states.out", _fused_merge_attn_states_out,
+              _fake_fused_merge_attn_states_out, _FAKE_PRESENT)
+
+
+# -- public wrappers ------------------------------------------------------------------------
+
+
+def fused_merge_attn_states(
+    prev_out: torch.Tensor,
+    prev_lse: torch.Tensor,
+    suff_out: torch.Tensor,
+    suff_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges two partial attention results over disjoint key sets.
+
+    :param prev_out: ``[B, S, H, D]`` float16/bfloat16/float32, last dim contiguous.
+    :param prev_lse: ``[B, S, H, 1]`` log-sum-exp of ``prev_out`` (float16/bfloat16/float32, any strides;
+        a permuted flash-attn ``[B, H, S]`` LSE is read in place).
+    :param suff_out: ``[B, S, H, D]``, same shape as ``prev_out``.
+    :param suff_lse: ``[B, S, H, 1]`` log-sum-exp of ``suff_out``.
+    :returns: ``(out, lse)``, contiguous: ``out`` in ``suff_out``'s dtype, ``lse`` in ``suff_lse``'s.
+        An LSE of +inf counts as empty; a row empty on both sides yields ``prev_out`` and ``-inf``.
+    :raises ValueError: on a wrong rank, shape, dtype or stride (naming the value).
+    :raises RuntimeError: when no daemon serves the tensors' device (with the command that starts one).
+    """
+    return torch.ops.cache_dit_cuda_ops.fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse)

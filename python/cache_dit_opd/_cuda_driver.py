@@ -1,0 +1,224 @@
+"""The few CUDA driver entry points the client needs, through ctypes.
+
+Loaded lazily: importing this module (and the package) needs no driver, and
+``libcuda.so.1`` is opened only when a session is created. Entry points come
+from ``cuGetProcAddress`` at an explicit CUDA version (12000), never from the
+unversioned symbols: on the H200 host the unversioned ``cuStreamWriteValue64``
+returns CUDA_ERROR_NOT_SUPPORTED while the ``_v2`` ABI (``PFN_..._v11070``)
+works on device, pinned and registered host memory.
+
+Regions are exported with the driver's legacy IPC handle (64 raw bytes), not
+with torch's private sharing format, whose version byte changes between torch
+releases.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+# CUpointer_attribute
+CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
+CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+
+CU_MEMHOSTREGISTER_PORTABLE = 0x01
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+
+CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1 << 0
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+CUDA_ERROR_NOT_SUPPORTED = 801
+
+IPC_HANDLE_BYTES = 64
+# The ABI version the entry points are requested at (CUDA 12.0: stream memory
+# operations resolve to their _v2 variants, memory functions to their _v2).
+_PROC_VERSION = 12000
+
+_LIB_NAME = "libcuda.so.1"
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; ``code`` is the CUresult."""
+
+    def __init__(self, func: str, code: int, name: str):
+        super().__init__(f"{func} failed: {name} ({code})")
+        self.func = func
+        self.code = code
+
+
+class _u64x3(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_uint64), ("size", ctypes.c_uint64), ("buffer_id", ctypes.c_uint64)]
+
+
+class Driver:
+    """Typed wrappers over libcuda entry points. Create through ``get_driver()``."""
+
+    def __init__(self, lib_name: str = _LIB_NAME):
+        self._lib = ctypes.CDLL(lib_name)
+        self._get_proc = self._resolve_get_proc_address()
+        fn = self._proc
+        self._cuInit = fn("cuInit", [ctypes.c_uint])
+        self._cuGetErrorName = fn("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])
+        self._cuDriverGetVersion = fn("cuDriverGetVersion", [ctypes.POINTER(ctypes.c_int)])
+        self._cuPointerGetAttributes = fn(
+            "cuPointerGetAttributes",
+            [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64],
+        )
+        self._cuIpcGetMemHandle = fn("cuIpcGetMemHandle", [ctypes.c_char_p, ctypes.c_uint64])
+        self._cuMemGetAddressRange = fn(
+            "cuMemGetAddressRange",
+            [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64],
+        )
+        self._cuMemHostRegister = fn("cuMemHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint])
+        self._cuMemHostUnregister = fn("cuMemHostUnregister", [ctypes.c_void_p])
+        self._cuMemHostGetDevicePointer = fn(
+            "cuMemHostGetDevicePointer", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        )
+        memop = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        self._cuStreamWriteValue64 = fn("cuStreamWriteValue64", memop)
+        self._cuStreamWaitValue64 = fn("cuStreamWaitValue64", memop)
+        self._check("cuInit", self._cuInit(0))
+        self._tls = threading.local()
+        attrs = (ctypes.c_int * 3)(
+            CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_BUFFER_ID
+        )
+        self._range_attrs = attrs
+
+    # -- loading ---------------------------------------------------------------
+    def _resolve_get_proc_address(self):
+        lib = self._lib
+        try:  # CUDA >= 12.0 drivers: cuGetProcAddress_v2 reports why a symbol is missing.
+            f = lib.cuGetProcAddress_v2
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                          ctypes.POINTER(ctypes.c_int)]
+
+            def get(name: str) -> int:
+                ptr, status = ctypes.c_void_p(), ctypes.c_int(0)
+                rc = f(name.encode(), ctypes.byref(ptr), _PROC_VERSION, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+                       ctypes.byref(status))
+                if rc != CUDA_SUCCESS or not ptr.value:
+                    raise CudaDriverError(f"cuGetProcAddress_v2({name!r}, {_PROC_VERSION})", rc,
+                                          f"symbol status {status.value}")
+                return ptr.value
+        except AttributeError:  # CUDA 11.3 - 11.8 drivers
+            f = lib.cuGetProcAddress
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64]
+
+            def get(name: str) -> int:
+                ptr = ctypes.c_void_p()
+                rc = f(name.encode(), ctypes.byref(ptr), _PROC_VERSION, CU_GET_PROC_ADDRESS_LEGACY_STREAM)
+                if rc != CUDA_SUCCESS or not ptr.value:
+                    raise CudaDriverError(f"cuGetProcAddress({name!r}, {_PROC_VERSION})", rc, "symbol not found")
+                return ptr.value
+        return get
+
+    def _proc(self, name: str, argtypes):
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)
+        return proto(self._get_proc(name))
+
+    def _error_name(self, code: int) -> str:
+        s = ctypes.c_char_p()
+        if self._cuGetErrorName(code, ctypes.byref(s)) == CUDA_SUCCESS and s.value:
+            return s.value.decode()
+        return "CUDA_ERROR_UNKNOWN"
+
+    def _check(self, func: str, rc: int) -> None:
+        if rc != CUDA_SUCCESS:
+            raise CudaDriverError(func, rc, self._error_name(rc))
+
+    # -- queries ---------------------------------------------------------------
+    def driver_version(self) -> int:
+        v = ctypes.c_int()
+        self._check("cuDriverGetVersion", self._cuDriverGetVersion(ctypes.byref(v)))
+        return v.value
+
+    def pointer_range(self, ptr: int) -> tuple[int, int, int]:
+        """(allocation base, allocation size, buffer id) of the allocation holding ``ptr``.
+
+        One driver call (cuPointerGetAttributes). For an address that no live
+        CUDA allocation covers the driver reports zeros, returned as is.
+        """
+        tls = self._tls
+        out = getattr(tls, "out", None)
+        if out is None:
+            out = tls.out = _u64x3()
+            base = ctypes.addressof(out)
+            tls.data = (ctypes.c_void_p * 3)(base, base + 8, base + 16)
+        out.base = out.size = out.buffer_id = 0
+        rc = self._cuPointerGetAttributes(3, self._range_attrs, tls.data, ptr)
+        if rc != CUDA_SUCCESS:
+            raise CudaDriverError(f"cuPointerGetAttributes(0x{ptr:x})", rc, self._error_name(rc))
+        return out.base, out.size, out.buffer_id
+
+    def legacy_ipc_capable(self, ptr: int) -> bool:
+        """CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: False for VMM (cuMemCreate) memory."""
+        attr = (ctypes.c_int * 1)(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)
+        val = ctypes.c_int(0)
+        data = (ctypes.c_void_p * 1)(ctypes.addressof(val))
+        self._check(f"cuPointerGetAttributes(0x{ptr:x})", self._cuPointerGetAttributes(1, attr, data, ptr))
+        return bool(val.value)
+
+    def mem_get_address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._check(f"cuMemGetAddressRange_v2(0x{ptr:x})",
+                    self._cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr))
+        return base.value, size.value
+
+    def ipc_get_mem_handle(self, base: int) -> bytes:
+        buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+        self._check(f"cuIpcGetMemHandle(0x{base:x})", self._cuIpcGetMemHandle(buf, base))
+        return buf.raw
+
+    # -- host memory -----------------------------------------------------------
+    def mem_host_register(self, addr: int, size: int, flags: int) -> None:
+        self._check("cuMemHostRegister_v2", self._cuMemHostRegister(addr, size, flags))
+
+    def mem_host_unregister(self, addr: int) -> None:
+        self._check("cuMemHostUnregister", self._cuMemHostUnregister(addr))
+
+    def mem_host_get_device_pointer(self, addr: int) -> int:
+        d = ctypes.c_uint64()
+        self._check("cuMemHostGetDevicePointer_v2", self._cuMemHostGetDevicePointer(ctypes.byref(d), addr, 0))
+        return d.value
+
+    # -- stream memory operations (the _v2 ABI) ----------------------------------
+    def stream_write_value64(self, stream: int, addr: int, value: int) -> None:
+        rc = self._cuStreamWriteValue64(stream, addr, value, CU_STREAM_WRITE_VALUE_DEFAULT)
+        if rc != CUDA_SUCCESS:
+            raise CudaDriverError("cuStreamWriteValue64_v2", rc, self._error_name(rc))
+
+    def stream_wait_value64(self, stream: int, addr: int, value: int) -> None:
+        rc = self._cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_GEQ)
+        if rc != CUDA_SUCCESS:
+            raise CudaDriverError("cuStreamWaitValue64_v2", rc, self._error_name(rc))
+
+
+_driver: Driver | None = None
+_driver_error: Exception | None = None
+_driver_lock = threading.Lock()
+
+
+def get_driver() -> Driver:
+    """The process's Driver, created on first use; raises the load error otherwise."""
+    global _driver, _driver_error
+    if _driver is not None:
+        return _driver
+    with _driver_lock:
+        if _driver is None:
+            try:
+                _driver = Driver()
+                _driver_error = None
+            except (OSError, AttributeError, CudaDriverError) as e:
+                _driver_error = e
+                raise RuntimeError(f"cache_dit_opd: cannot use the CUDA driver ({_LIB_NAME}): {e}") from e
+    return _driver

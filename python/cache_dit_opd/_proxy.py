@@ -1,0 +1,159 @@
+"""Defining proxy ops in ``cache_dit_cuda_ops`` beside other owners of the namespace.
+
+Each domain module defines its own ops with these helpers; nothing here lists
+ops. Rules (DESIGN.md section 6):
+
+* op not defined yet: define it (tagged ``cudagraph_unsafe``) and attach the
+  proxy CUDA impl and the fake;
+* op already defined (upstream cache-dit imported first) with the identical
+  schema and no CUDA kernel: attach the proxy impl, and the fake unless one is
+  registered already;
+* any other case (different schema, or a CUDA kernel already registered, as
+  when the kernel library is loaded in-process): fail, naming the op and the
+  module that owns it. One process never holds both the proxies and the
+  kernel library.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+
+NAMESPACE = "cache_dit_cuda_ops"
+# A proxy op does host work per call: a captured CUDA graph would replay stale results.
+PROXY_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+class NamespaceConflictError(RuntimeError):
+    """cache_dit_cuda_ops already holds an incompatible definition of a served op."""
+
+
+def _existing_schema(name: str, overload: str):
+    try:
+        packet = getattr(getattr(torch.ops, NAMESPACE), name)
+        return getattr(packet, overload or "default")._schema
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _fake_source(qualname: str) -> str | None:
+    try:
+        from torch._library.simple_registry import singleton
+    except ImportError:
+        return None
+    for key in (qualname, qualname + ".default"):
+        k = singleton.find(key).fake_impl.kernel
+        if k is not None:
+            return getattr(k, "source", None)
+    return None
+
+
+def owner_of(qualname: str) -> str:
+    """Where an op's definition and kernels were registered, as well as torch records it."""
+    parts = []
+    try:
+        dump = torch._C._dispatch_dump(qualname)
+    except RuntimeError:
+        dump = ""
+    m = re.search(r"^debug: registered at (.+)$", dump, re.M)
+    if m:
+        parts.append(f"schema registered at {m.group(1).strip()}")
+    m = re.search(r"^CUDA: registered at (\S+)", dump, re.M)
+    if m:
+        parts.append(f"CUDA kernel registered at {m.group(1).strip()}")
+    src = _fake_source(qualname)
+    if src:
+        parts.append(f"fake registered at {src}")
+    mods = [n for n in ("cache_dit", "cache_dit.kernels", "cache_dit._C_attn", "cache_dit._C_comm",
+                        "cache_dit._C_svdquant") if n in sys.modules]
+    if mods:
+        f = getattr(sys.modules[mods[0]], "__file__", None) or "?"
+        parts.append(f"imported modules: {', '.join(mods)} ({f})")
+    return "; ".join(parts) if parts else "unknown owner"
+
+
+def _normalize(schema) -> str:
+    return str(schema)
+
+
+def define_or_adopt(lib: "torch.library.Library", schemas: dict, tags=()) -> dict:
+    """Defines each ``{"name[.overload]": "(args) -> rets"}`` in ``lib`` or adopts an identical definition.
+
+    Returns ``{full name: True}`` for ops whose fake is already registered
+    (left in place). Raises NamespaceConflictError otherwise.
+    """
+    fake_present = {}
+    for full, sig in schemas.items():
+        name, _, overload = full.partition(".")
+        qualname = f"{NAMESPACE}::{full}"
+        theirs = _existing_schema(name, overload)
+        if theirs is None:
+            lib.define(f"{full}{sig}", tags=tuple(tags))
+            fake_present[full] = False
+            continue
+        ours = str(torch._C.parse_schema(f"{qualname}{sig}"))
+        if _normalize(theirs) != ours:
+            raise NamespaceConflictError(
+                f"cache_dit_opd: {qualname} is already defined with a different schema.\n"
+                f"  existing: {theirs}\n  cache_dit_opd: {ours}\n"
+                f"  owner: {owner_of(qualname)}\n"
+                f"The daemon client cannot proxy this op in this process."
+            )
+        if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"):
+            raise NamespaceConflictError(
+                f"cache_dit_opd: {qualname} already has a CUDA kernel in this process "
+                f"({owner_of(qualname)}). The daemon client and an in-process implementation of the same op "
+                f"(upstream cache-dit's CUDA extension or the cache-dit-opd kernel library) cannot share one "
+                f"process; load the kernel library in a separate process."
+            )
+        fake_present[full] = _fake_source(qualname) is not None or torch._C._dispatch_has_kernel_for_dispatch_key(
+            qualname, "Meta"
+        )
+    return fake_present
+
+
+def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
+    """Registers the proxy impl (CUDA key) and, unless one exists, the fake."""
+    qualname = f"{NAMESPACE}::{full}"
+    torch.library.impl(qualname, "CUDA", cuda_impl, lib=lib)
+    if not fake_present.get(full, False):
+        # _stacklevel=2: the fake's recorded source is the domain module that calls attach().
+        torch.library.register_fake(qualname, fake, lib=lib, _stacklevel=2)
+
+
+def check_not_capturing(op: str, device_index: int) -> None:
+    """Proxy ops do host work per call; a captured graph would replay without reaching the daemon."""
+    from ._session import current_stream_is_capturing
+
+    if current_stream_is_capturing(device_index):
+        raise RuntimeError(
+            f"{NAMESPACE}::{op} runs in the cache-dit-opd daemon and cannot be captured in a CUDA graph "
+            f"(a replay would never reach the daemon). Call it outside torch.cuda.graph capture, or compile "
+            f"without CUDA graphs (e.g. torch.compile mode other than 'reduce-overhead'); the op carries "
+            f"torch.Tag.cudagraph_unsafe so Inductor's cudagraph trees skip it."
+        )
+
+
+def device_index(op: str, *tensors) -> int:
+    """The common CUDA device of ``tensors``; ValueError naming the devices otherwise."""
+    devs = {t.device for t in tensors}
+    if len(devs) != 1:
+        raise ValueError(f"{op}: all tensors must be on one CUDA device, got {sorted(str(d) for d in devs)}")
+    d = next(iter(devs))
+    if d.type != "cuda":
+        raise ValueError(f"{op}: tensors must be on a CUDA device, got {d}")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+def check_out(op: str, name: str, t, shape, dtype, device) -> None:
+    """An ``out=`` tensor of a .out overload: exact shape, dtype, device; contiguous."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{op}: {name} must have dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous, got strides {tuple(t.stride())}")

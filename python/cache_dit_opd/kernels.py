@@ -1,0 +1,28 @@
+"""The public op surface of cache_dit_opd: one flat namespace.
+
+Every name is re-exported from its domain module (``_attn``, ``_comm``) and is
+the same object there. Each op is also reachable as
+``torch.ops.cache_dit_cuda_ops.<op>`` once this module is imported.
+"""
+
+from ._attn import attn_extension_is_available, attn_get_load_error, fused_merge_attn_states
+from ._comm import (
+    comm_extension_is_available,
+    comm_get_load_error,
+    fp8_comm_per_token_dequant,
+    fp8_comm_per_token_quant,
+    fp8_comm_qkv_permute_dequant,
+    fp8_comm_qkv_permute_quant,
+)
+
+__all__ = [
+    "attn_extension_is_available",
+    "attn_get_load_error",
+    "comm_extension_is_available",
+    "comm_get_load_error",
+    "fp8_comm_per_token_dequant",
+    "fp8_comm_per_token_quant",
+    "fp8_comm_qkv_permute_dequant",
+    "fp8_comm_qkv_permute_quant",
+    "fused_merge_attn_states",
+]

@@ -1,0 +1,299 @@
+#include "server/daemon.h"
+
+#include <thread>
+
+#include <spdlog/spdlog.h>
+
+#include "cache_dit_opd/v1/session_memory.h"
+
+namespace cache_dit_opd {
+
+using Clock = std::chrono::steady_clock;
+
+Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> catalog,
+               std::string not_serving_reason, DaemonDeps deps, std::string session_socket)
+    : options_(options),
+      info_(std::move(info)),
+      catalog_(std::move(catalog)),
+      deps_(deps),
+      session_socket_(std::move(session_socket)) {
+  serving_ = not_serving_reason.empty();
+  not_serving_reason_ = std::move(not_serving_reason);
+
+  reaper_ = std::make_unique<Reaper>();
+  executor_ = std::make_unique<Executor>(deps_.device_ops, deps_.runner, &stats_, ExecutorOptions{},
+                                         [this](const Status& s) { OnFatal(s); });
+  SessionLimits limits;
+  limits.max_sessions = options_.max_sessions;
+  limits.max_lanes = options_.max_lanes;
+  limits.regions = RegionLimits{options_.max_regions, options_.max_mapped_bytes};
+  limits.bind_timeout_ms = options_.bind_timeout_ms;
+  sessions_ = std::make_unique<SessionManager>(
+      limits, info_.device_index, info_.gpu_uuid, deps_.device_ops, deps_.opener,
+      PeerPolicy::ForThisProcess(options_.allowed_gid),
+      [this](const std::shared_ptr<Session>& s, const Status& reason) { OnSessionEnd(s, reason); });
+  channel_ = std::make_unique<SessionChannel>(session_socket_, sessions_.get());
+}
+
+Daemon::~Daemon() { Stop(); }
+
+Status Daemon::Start() {
+  OPD_RETURN_IF_ERROR(channel_->Listen());
+  OPD_RETURN_IF_ERROR(channel_->Start());
+  reaper_->Start();
+  executor_->Start();
+  return Status::Ok();
+}
+
+VersionInfo Daemon::Version() const {
+  VersionInfo v;
+  v.info = info_;
+  v.protocol_version = v1::kProtocolVersion;
+  v.layout_version = v1::kLayoutVersion;
+  std::lock_guard<std::mutex> lock(mu_);
+  v.serving = serving_;
+  v.not_serving_reason = not_serving_reason_;
+  v.ring_available = false;  // issue 6
+  return v;
+}
+
+bool Daemon::serving() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return serving_;
+}
+
+std::string Daemon::not_serving_reason() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return not_serving_reason_;
+}
+
+void Daemon::SetHealthListener(std::function<void(bool)> listener) {
+  std::lock_guard<std::mutex> lock(mu_);
+  health_listener_ = std::move(listener);
+}
+
+void Daemon::SetNotServing(const std::string& reason) {
+  std::function<void(bool)> listener;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!serving_ && !not_serving_reason_.empty()) {
+      // Keep the first reason (a sticky error outranks "draining").
+      if (not_serving_reason_.rfind("sticky", 0) == 0) return;
+    }
+    serving_ = false;
+    not_serving_reason_ = reason;
+    listener = health_listener_;
+  }
+  if (listener) listener(false);
+}
+
+Status Daemon::OpenSession(const OpenSessionParams& params, OpenSessionResult* out) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!serving_) return Status::Unavailable(not_serving_reason_);
+  }
+  std::shared_ptr<Session> s;
+  OPD_RETURN_IF_ERROR(sessions_->Open(params, &s));
+  out->session_id = s->id();
+  out->token = s->token();
+  out->catalog = catalog_;
+  out->session_channel_path = session_socket_;
+  out->lanes = s->lane_count();
+  out->layout_version = v1::kLayoutVersion;
+  out->shared_memory_bytes = s->memory().bytes();
+  out->ring_enabled = false;
+  out->gpu_uuid = info_.gpu_uuid;
+  out->device_index = info_.device_index;
+  out->bind_timeout_ms = options_.bind_timeout_ms;
+  return Status::Ok();
+}
+
+Status Daemon::CloseSession(uint64_t session_id, std::string_view token) {
+  return sessions_->Close(session_id, token);
+}
+
+void Daemon::RegisterRegion(uint64_t session_id, std::string_view token, std::string handle,
+                            uint64_t claimed_size,
+                            std::function<void(const Status&, const RegionRegistry::Registered&)> done) {
+  std::shared_ptr<Session> s;
+  Status st = sessions_->Authorize(session_id, token, /*require_bound=*/true, &s);
+  if (st.ok() && handle.size() != kIpcHandleBytes) {
+    st = Status::InvalidArgument("ipc_handle is ", handle.size(), " bytes, expected ", kIpcHandleBytes);
+  }
+  if (st.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) st = Status::Unavailable("the daemon is shutting down");
+  }
+  if (!st.ok()) {
+    done(st, RegionRegistry::Registered{});
+    return;
+  }
+  auto task = [s, handle = std::move(handle), claimed_size, done]() {
+    RegionRegistry::Registered r;
+    Status rs = s->regions().Register(handle, claimed_size, &r);
+    if (rs.ok()) {
+      spdlog::debug("session {}: region {} ({} bytes){}", s->id(), r.region_id, r.mapped_size,
+                    r.reused ? " reused" : " mapped");
+    } else {
+      spdlog::warn("session {}: RegisterRegion refused: {}", s->id(), rs.ToString());
+    }
+    done(rs, r);
+  };
+  if (!reaper_->Post(task)) done(Status::Unavailable("the daemon is shutting down"), RegionRegistry::Registered{});
+}
+
+Status Daemon::UnregisterRegion(uint64_t session_id, std::string_view token, uint64_t region_id, bool* deferred) {
+  std::shared_ptr<Session> s;
+  OPD_RETURN_IF_ERROR(sessions_->Authorize(session_id, token, /*require_bound=*/true, &s));
+  OPD_RETURN_IF_ERROR(s->regions().Unregister(region_id, deferred));
+  // The reaper closes it now if idle, else once its last call has finished.
+  reaper_->Watch(s);
+  return Status::Ok();
+}
+
+void Daemon::Call(uint64_t session_id, std::string_view token, CallRequest req, Executor::Completion done) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!serving_ || draining_) {
+      Status st = Status::Unavailable(not_serving_reason_.empty() ? "the daemon is shutting down"
+                                                                  : not_serving_reason_);
+      lock.unlock();
+      stats_.errors.fetch_add(1, std::memory_order_relaxed);
+      done(st);
+      return;
+    }
+  }
+  std::shared_ptr<Session> s;
+  Status st = sessions_->Authorize(session_id, token, /*require_bound=*/true, &s);
+  if (!st.ok()) {
+    stats_.errors.fetch_add(1, std::memory_order_relaxed);
+    done(st);
+    return;
+  }
+  executor_->Submit(s, std::move(req), std::move(done));
+}
+
+Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const {
+  std::vector<std::shared_ptr<Session>> all = sessions_->Snapshot();
+  std::vector<std::shared_ptr<Session>> detail;
+  if (session_id != 0) {
+    std::shared_ptr<Session> s;
+    OPD_RETURN_IF_ERROR(sessions_->Authorize(session_id, token, /*require_bound=*/false, &s));
+    detail.push_back(s);
+  } else {
+    detail = all;
+  }
+  *out = StatsSnapshot{};
+  out->sessions = all.size();
+  out->calls = stats_.calls.load();
+  out->errors = stats_.errors.load();
+  out->sessions_closed = stats_.sessions_closed.load();
+  stats_.call_latency_us.Percentiles(&out->call_p50_us, &out->call_p99_us);
+  for (const auto& s : all) {
+    RegionCounts c = s->regions().counts();
+    out->regions += c.regions;
+    out->mapped_bytes += c.mapped_bytes;
+  }
+  for (const auto& s : detail) {
+    SessionStatsEntry e;
+    e.session_id = s->id();
+    e.client_pid = s->bound() ? s->peer().pid : 0;
+    e.client_uid = s->bound() ? s->peer().uid : 0;
+    e.calls = s->calls.load();
+    e.errors = s->errors.load();
+    e.regions = s->regions().counts();
+    out->sessions_detail.push_back(e);
+  }
+  return Status::Ok();
+}
+
+void Daemon::OnSessionEnd(const std::shared_ptr<Session>& session, const Status& reason) {
+  stats_.sessions_closed.fetch_add(1, std::memory_order_relaxed);
+  channel_->CloseSession(session->id());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++ending_;
+  }
+  // Order: drop its queued calls (their "done" written on the lane streams),
+  // then wait on the reaper for the lanes to drain, then unmap.
+  executor_->DropSession(session, reason, [this, session] {
+    reaper_->Retire(session, [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      --ending_;
+      ending_cv_.notify_all();
+    });
+  });
+}
+
+void Daemon::OnFatal(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fatal_ = true;
+  }
+  spdlog::critical("{}; failing every session, exiting for a restart", status.message());
+  SetNotServing(status.message().rfind("sticky", 0) == 0 ? status.message() : "sticky CUDA error: " + status.message());
+  sessions_->StopAccepting(status.message());
+  sessions_->EndAll(status);
+  RequestShutdown(1, status.message());
+}
+
+void Daemon::RequestShutdown(int exit_code, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_requested_) return;
+    shutdown_requested_ = true;
+    exit_code_ = exit_code;
+  }
+  spdlog::info("shutdown requested: {}", why);
+  shutdown_cv_.notify_all();
+}
+
+int Daemon::WaitForShutdownRequest() {
+  std::unique_lock<std::mutex> lock(mu_);
+  shutdown_cv_.wait(lock, [&] { return shutdown_requested_; });
+  return exit_code_;
+}
+
+void Daemon::Drain() {
+  const auto start = Clock::now();
+  const auto budget = std::chrono::milliseconds(options_.drain_deadline_ms);
+  const auto deadline = start + budget;
+  bool fatal;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_ = true;
+    fatal = fatal_;
+  }
+  SetNotServing("draining: the daemon is shutting down");
+  sessions_->StopAccepting("the daemon is shutting down");
+  channel_->StopAccepting();
+
+  // Most of the budget goes to queued calls; the rest to the lanes' last
+  // kernels before unmapping.
+  const auto calls_deadline = start + budget * 8 / 10;
+  size_t pending = executor_->pending();
+  if (!fatal && pending > 0) {
+    spdlog::info("draining {} queued call(s), up to {} ms", pending, options_.drain_deadline_ms);
+    while (executor_->pending() > 0 && Clock::now() < calls_deadline && !executor_->failed()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    if (size_t left = executor_->pending(); left > 0) {
+      spdlog::warn("drain deadline: dropping {} call(s) still waiting for their inputs", left);
+    }
+  }
+  sessions_->EndAll(Status::Unavailable("the daemon is shutting down"));
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    fatal = fatal_;
+    if (!fatal) ending_cv_.wait_until(lock, deadline, [&] { return ending_ == 0; });
+  }
+  if (fatal || reaper_->retiring() > 0) reaper_->Abandon();
+}
+
+void Daemon::Stop() {
+  if (channel_) channel_->Stop();
+  if (executor_) executor_->Stop();
+  if (reaper_) reaper_->Stop();
+}
+
+}  // namespace cache_dit_opd

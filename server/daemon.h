@@ -1,0 +1,189 @@
+// File: server/daemon.h
+//
+// The daemon's core, independent of any transport: what every RPC does, in
+// terms of the plain types of server/ (the gRPC service in
+// server/grpc_service.h only converts messages and statuses; the
+// shared-memory ring of issue 6 will call Call() the same way).
+//
+// Owns and wires: SessionManager (sessions, tokens, binding), SessionChannel
+// (the SOCK_SEQPACKET socket and its thread), Executor (CUDA launches, lane
+// ordering), Reaper (region open/close, session teardown) and the stats.
+//
+// Without a GPU (DaemonDeps null) the daemon still runs: Version() answers,
+// serving() is false with the probe's reason, and OpenSession fails
+// UNAVAILABLE with that reason.
+//
+// Lifecycle (main.cc):  Start -> [serve] -> WaitForShutdownRequest -> Drain
+//                       -> (transport shutdown) -> Stop
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "server/call.h"
+#include "server/call_runner.h"
+#include "server/device_ops.h"
+#include "server/dispatch/dispatcher.h"
+#include "server/executor.h"
+#include "server/options.h"
+#include "server/reaper.h"
+#include "server/region_opener.h"
+#include "server/region_registry.h"
+#include "server/session_channel.h"
+#include "server/session_manager.h"
+#include "server/stats.h"
+#include "server/status.h"
+
+namespace cache_dit_opd {
+
+// Facts for GetVersion, fixed at start-up.
+struct DaemonInfo {
+  std::string daemon_version;
+  std::string git_commit;
+  std::string torch_version;
+  int cuda_runtime_version = 0;
+  int cuda_driver_version = 0;
+  int device_index = -1;
+  std::string gpu_uuid;
+  std::string gpu_name;
+};
+
+struct VersionInfo {
+  DaemonInfo info;
+  uint32_t protocol_version = 0;
+  uint32_t layout_version = 0;
+  bool serving = false;
+  std::string not_serving_reason;
+  bool ring_available = false;
+};
+
+// The GPU-facing parts; all null when the daemon has no usable GPU.
+struct DaemonDeps {
+  DeviceOps* device_ops = nullptr;
+  RegionOpener* opener = nullptr;
+  CallRunner* runner = nullptr;
+};
+
+struct OpenSessionResult {
+  uint64_t session_id = 0;
+  SessionToken token{};
+  std::vector<OpInfo> catalog;
+  std::string session_channel_path;
+  uint32_t lanes = 0;
+  uint32_t layout_version = 0;
+  uint64_t shared_memory_bytes = 0;
+  bool ring_enabled = false;
+  std::string gpu_uuid;
+  int device_index = -1;
+  uint32_t bind_timeout_ms = 0;
+};
+
+struct SessionStatsEntry {
+  uint64_t session_id = 0;
+  int32_t client_pid = 0;  // bound pid; 0 before bind
+  uint32_t client_uid = 0;
+  uint64_t calls = 0;
+  uint64_t errors = 0;
+  RegionCounts regions;
+};
+
+struct StatsSnapshot {
+  uint64_t sessions = 0;
+  uint64_t calls = 0;
+  uint64_t errors = 0;
+  uint64_t regions = 0;
+  uint64_t mapped_bytes = 0;
+  double call_p50_us = 0;
+  double call_p99_us = 0;
+  uint64_t sessions_closed = 0;
+  std::vector<SessionStatsEntry> sessions_detail;
+};
+
+class Daemon {
+ public:
+  // `not_serving_reason` is "" when the GPU is usable (then `deps` must be
+  // complete). `session_socket` is where the channel listens.
+  Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> catalog, std::string not_serving_reason,
+         DaemonDeps deps, std::string session_socket);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Listens on the session socket (path must be free) and starts the
+  // channel, executor and reaper threads.
+  Status Start();
+
+  // --- RPCs (errors as in proto/cache_dit_opd/v1/opd.proto) ---
+  VersionInfo Version() const;
+  Status OpenSession(const OpenSessionParams& params, OpenSessionResult* out);
+  Status CloseSession(uint64_t session_id, std::string_view token);
+  // Completes on the reaper thread (opening a handle takes 0.1-10 ms).
+  void RegisterRegion(uint64_t session_id, std::string_view token, std::string handle, uint64_t claimed_size,
+                      std::function<void(const Status&, const RegionRegistry::Registered&)> done);
+  Status UnregisterRegion(uint64_t session_id, std::string_view token, uint64_t region_id, bool* deferred);
+  // Completes once the call is enqueued on the GPU (or rejected).
+  void Call(uint64_t session_id, std::string_view token, CallRequest req, Executor::Completion done);
+  Status GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const;
+
+  // --- health and lifecycle ---
+  bool serving() const;
+  std::string not_serving_reason() const;
+  // Called with the new serving state whenever it changes (gRPC health).
+  void SetHealthListener(std::function<void(bool)> listener);
+
+  // Asks main to shut down with `exit_code` (0: signal, 1: fatal). First
+  // request wins. Any thread.
+  void RequestShutdown(int exit_code, const std::string& why);
+  // Blocks until RequestShutdown; returns its exit code.
+  int WaitForShutdownRequest();
+  // Stops accepting sessions and calls, lets queued calls finish until
+  // --drain-deadline-ms, drops the rest (their "done" written), ends every
+  // session and waits (same deadline) for their lanes to drain before
+  // unmapping. After a sticky CUDA error it skips the waits.
+  void Drain();
+  // Joins the threads and removes the session socket. After the transport
+  // has shut down (no completion may be pending).
+  void Stop();
+
+  const std::vector<OpInfo>& catalog() const { return catalog_; }
+  SessionManager& sessions() { return *sessions_; }
+  Executor& executor() { return *executor_; }
+  Reaper& reaper() { return *reaper_; }
+
+ private:
+  void SetNotServing(const std::string& reason);
+  void OnSessionEnd(const std::shared_ptr<Session>& session, const Status& reason);
+  void OnFatal(const Status& status);
+
+  const Options options_;
+  const DaemonInfo info_;
+  const std::vector<OpInfo> catalog_;
+  const DaemonDeps deps_;
+  const std::string session_socket_;
+
+  DaemonStats stats_;
+  std::unique_ptr<Reaper> reaper_;
+  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<SessionManager> sessions_;
+  std::unique_ptr<SessionChannel> channel_;
+
+  mutable std::mutex mu_;
+  std::condition_variable shutdown_cv_;
+  std::condition_variable ending_cv_;
+  uint64_t ending_ = 0;                    // guarded by mu_: sessions ended, not yet released
+  bool serving_ = false;                   // guarded by mu_
+  std::string not_serving_reason_;         // guarded by mu_
+  bool draining_ = false;                  // guarded by mu_
+  bool fatal_ = false;                     // guarded by mu_
+  bool shutdown_requested_ = false;        // guarded by mu_
+  int exit_code_ = 0;                      // guarded by mu_
+  std::function<void(bool)> health_listener_;  // guarded by mu_
+};
+
+}  // namespace cache_dit_opd

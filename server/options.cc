@@ -1,0 +1,219 @@
+#include "server/options.h"
+
+#include <grp.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+#include <string_view>
+
+namespace cache_dit_opd {
+namespace {
+
+Status ParseUnsigned(std::string_view flag, const std::string& text, uint64_t lo, uint64_t hi,
+                     uint64_t* out) {
+  if (text.empty() || text[0] == '-' || text[0] == '+') {
+    return Status::InvalidArgument(flag, ": '", text, "' is not a non-negative integer");
+  }
+  errno = 0;
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || *end != '\0') {
+    return Status::InvalidArgument(flag, ": '", text, "' is not a non-negative integer");
+  }
+  if (v < lo || v > hi) {
+    return Status::InvalidArgument(flag, ": ", v, " is out of range [", lo, ", ", hi, "]");
+  }
+  *out = v;
+  return Status::Ok();
+}
+
+template <typename T>
+Status ParseInto(std::string_view flag, const std::string& text, uint64_t lo, uint64_t hi, T* out) {
+  uint64_t v = 0;
+  OPD_RETURN_IF_ERROR(ParseUnsigned(flag, text, lo, hi, &v));
+  *out = static_cast<T>(v);
+  return Status::Ok();
+}
+
+Status ParseGid(const std::string& text, gid_t* out) {
+  uint64_t v = 0;
+  if (ParseUnsigned("--allowed-gid", text, 0, std::numeric_limits<gid_t>::max() - 1, &v).ok()) {
+    *out = static_cast<gid_t>(v);
+    return Status::Ok();
+  }
+  struct group grp;
+  struct group* found = nullptr;
+  char buf[16384];
+  if (getgrnam_r(text.c_str(), &grp, buf, sizeof(buf), &found) == 0 && found != nullptr) {
+    *out = found->gr_gid;
+    return Status::Ok();
+  }
+  return Status::InvalidArgument("--allowed-gid: '", text, "' is neither a gid nor a known group name");
+}
+
+const char* kLogLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+
+}  // namespace
+
+Status ParseByteSize(const std::string& text, uint64_t* out) {
+  if (text.empty()) return Status::InvalidArgument("empty size");
+  std::string digits = text;
+  uint64_t mult = 1;
+  char last = text.back();
+  switch (last) {
+    case 'k': case 'K': mult = 1ull << 10; break;
+    case 'm': case 'M': mult = 1ull << 20; break;
+    case 'g': case 'G': mult = 1ull << 30; break;
+    case 't': case 'T': mult = 1ull << 40; break;
+    default: break;
+  }
+  if (mult != 1) digits.pop_back();
+  uint64_t v = 0;
+  Status s = ParseUnsigned("size", digits, 0, std::numeric_limits<uint64_t>::max(), &v);
+  if (!s.ok()) return Status::InvalidArgument("'", text, "' is not a byte size (e.g. 4096, 64M, 2G)");
+  if (v > std::numeric_limits<uint64_t>::max() / mult) {
+    return Status::InvalidArgument("'", text, "' overflows 64 bits");
+  }
+  *out = v * mult;
+  return Status::Ok();
+}
+
+Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help) {
+  *help = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      *help = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0) {
+      return Status::InvalidArgument("unexpected argument '", arg, "' (flags start with --)");
+    }
+    std::string flag = arg;
+    std::string value;
+    bool has_value = false;
+    if (size_t eq = arg.find('='); eq != std::string::npos) {
+      flag = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      has_value = true;
+    }
+    auto next = [&]() -> Status {
+      if (has_value) return Status::Ok();
+      if (i + 1 >= argc) return Status::InvalidArgument(flag, " needs a value");
+      value = argv[++i];
+      has_value = true;
+      return Status::Ok();
+    };
+    if (flag == "--device") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 1023, &opts->device));
+    } else if (flag == "--socket") {
+      OPD_RETURN_IF_ERROR(next());
+      if (value.empty()) return Status::InvalidArgument("--socket: empty path");
+      opts->socket = value;
+    } else if (flag == "--runtime-dir") {
+      OPD_RETURN_IF_ERROR(next());
+      if (value.empty()) return Status::InvalidArgument("--runtime-dir: empty path");
+      opts->runtime_dir = value;
+    } else if (flag == "--log-level") {
+      OPD_RETURN_IF_ERROR(next());
+      bool known = false;
+      for (const char* l : kLogLevels) known |= (value == l);
+      if (!known) {
+        return Status::InvalidArgument("--log-level: '", value,
+                                       "' is not one of trace, debug, info, warn, error, critical, off");
+      }
+      opts->log_level = value;
+    } else if (flag == "--max-sessions") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 1u << 16, &opts->max_sessions));
+    } else if (flag == "--max-lanes") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 1024, &opts->max_lanes));
+    } else if (flag == "--max-regions") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 1u << 20, &opts->max_regions));
+    } else if (flag == "--max-mapped-bytes") {
+      OPD_RETURN_IF_ERROR(next());
+      Status s = ParseByteSize(value, &opts->max_mapped_bytes);
+      if (!s.ok()) return Status::InvalidArgument("--max-mapped-bytes: ", s.message());
+      if (opts->max_mapped_bytes == 0) return Status::InvalidArgument("--max-mapped-bytes: must be > 0");
+    } else if (flag == "--max-message-bytes") {
+      OPD_RETURN_IF_ERROR(next());
+      uint64_t v = 0;
+      Status s = ParseByteSize(value, &v);
+      if (!s.ok()) return Status::InvalidArgument("--max-message-bytes: ", s.message());
+      if (v < 4096 || v > (1ull << 30)) {
+        return Status::InvalidArgument("--max-message-bytes: ", v, " is out of range [4096, 1G]");
+      }
+      opts->max_message_bytes = v;
+    } else if (flag == "--drain-deadline-ms") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 3600000, &opts->drain_deadline_ms));
+    } else if (flag == "--bind-timeout-ms") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 3600000, &opts->bind_timeout_ms));
+    } else if (flag == "--allowed-gid") {
+      OPD_RETURN_IF_ERROR(next());
+      gid_t gid = 0;
+      OPD_RETURN_IF_ERROR(ParseGid(value, &gid));
+      opts->allowed_gid = gid;
+    } else if (flag == "--load-library") {
+      OPD_RETURN_IF_ERROR(next());
+      if (value.empty()) return Status::InvalidArgument("--load-library: empty path");
+      opts->load_libraries.push_back(value);
+    } else {
+      return Status::InvalidArgument("unknown flag '", flag, "'");
+    }
+  }
+  return Status::Ok();
+}
+
+std::string OptionsUsage() {
+  return "usage: cache-dit-opd [--device N] [--socket PATH] [--runtime-dir DIR] [--log-level LEVEL]\n"
+         "                     [--max-sessions N] [--max-lanes N] [--max-regions N]\n"
+         "                     [--max-mapped-bytes SIZE] [--max-message-bytes SIZE]\n"
+         "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
+         "                     [--load-library PATH]... ; see --help\n";
+}
+
+std::string OptionsHelp() {
+  return OptionsUsage() +
+         "\n"
+         "cache-dit-opd: the operator daemon. Owns one GPU and serves the cache_dit_cuda_ops\n"
+         "operators to client processes over gRPC on a Unix socket; client tensors are mapped\n"
+         "with CUDA IPC and never copied.\n"
+         "\n"
+         "Flags (--flag VALUE or --flag=VALUE; SIZE takes K, M, G, T suffixes, powers of 1024):\n"
+         "  --device N               CUDA ordinal to serve, as this process sees it (default 0).\n"
+         "  --socket PATH            gRPC socket path. Default: <runtime dir>/<GPU-UUID>.sock.\n"
+         "                           The session channel is the same path with .sock replaced by\n"
+         "                           .session.sock. Required when no GPU is usable (the daemon then\n"
+         "                           only answers GetVersion and reports health NOT_SERVING).\n"
+         "  --runtime-dir DIR        Directory for the sockets. Default: $CACHE_DIT_OPD_RUNTIME_DIR,\n"
+         "                           else /run/cache-dit-opd when writable, else\n"
+         "                           ${XDG_RUNTIME_DIR:-/tmp}/cache-dit-opd (created mode 0770).\n"
+         "  --log-level LEVEL        trace, debug, info, warn, error, critical or off (default info).\n"
+         "  --max-sessions N         Open sessions at once (default 64).\n"
+         "  --max-lanes N            Lanes (client streams) per session (default 16).\n"
+         "  --max-regions N          Mapped regions per session (default 4096); idle regions are\n"
+         "                           evicted least recently used first.\n"
+         "  --max-mapped-bytes SIZE  Bytes mapped per session (default 1T).\n"
+         "  --max-message-bytes SIZE gRPC message size limit, both directions (default 4M).\n"
+         "  --drain-deadline-ms MS   On SIGTERM/SIGINT, time given to in-flight calls before the\n"
+         "                           remaining ones are dropped and sessions are ended (default 5000).\n"
+         "  --bind-timeout-ms MS     A session not bound on the session channel within this time is\n"
+         "                           dropped (default 5000).\n"
+         "  --allowed-gid GID        Also admit session-channel peers whose gid is GID (number or\n"
+         "                           group name); by default only the daemon's own uid is admitted.\n"
+         "  --load-library PATH      Load an extra op library (dlopen; its TORCH_LIBRARY\n"
+         "                           registrations add ops). Repeatable.\n"
+         "  -h, --help               Print this help and exit.\n"
+         "\n"
+         "Sockets are created mode 0660. A stale socket (nobody accepts on it) is replaced; a live\n"
+         "one makes the daemon refuse to start. SIGTERM/SIGINT drain and exit 0; a sticky CUDA\n"
+         "error fails every session and exits non-zero so that a supervisor restarts the daemon.\n";
+}
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,57 @@
+// File: server/options.h
+//
+// Command-line options of `cache-dit-opd`. Each field has its default inline;
+// `--help` (OptionsHelp) documents every flag. Parsing never exits the
+// process: main decides what to do with the result.
+//
+//   Options opts;
+//   bool help = false;
+//   Status s = ParseOptions(argc, argv, &opts, &help);
+//   if (!s.ok()) { fprintf(stderr, "%s\n%s", s.message().c_str(), OptionsUsage().c_str()); return 2; }
+//   if (help) { fputs(OptionsHelp().c_str(), stdout); return 0; }
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <sys/types.h>
+#include <vector>
+
+#include "server/status.h"
+
+namespace cache_dit_opd {
+
+struct Options {
+  int device = 0;                        // --device: CUDA ordinal in the daemon's process
+  std::string socket;                    // --socket: gRPC socket path; "" = <runtime dir>/<GPU-UUID>.sock
+  std::string runtime_dir;               // --runtime-dir: overrides the runtime-dir rule (DESIGN.md section 4)
+  std::string log_level = "info";        // --log-level: trace, debug, info, warn, error, critical, off
+  uint32_t max_sessions = 64;            // --max-sessions: open sessions at once
+  uint32_t max_lanes = 16;               // --max-lanes: lanes per session
+  uint64_t max_regions = 4096;           // --max-regions: mapped regions per session
+  uint64_t max_mapped_bytes = 1ull << 40;  // --max-mapped-bytes: bytes mapped per session (1 TiB)
+  uint64_t max_message_bytes = 4ull << 20;  // --max-message-bytes: gRPC message size limit, both ways
+  uint32_t drain_deadline_ms = 5000;     // --drain-deadline-ms: SIGTERM drain budget
+  uint32_t bind_timeout_ms = 5000;       // --bind-timeout-ms: time to bind a session on the channel
+  std::optional<gid_t> allowed_gid;      // --allowed-gid: a group admitted besides the daemon's uid
+  std::vector<std::string> load_libraries;  // --load-library (repeatable): extra op libraries
+};
+
+// ParseOptions
+//
+// Accepts `--flag value` and `--flag=value`; sizes take K, M, G, T suffixes
+// (powers of 1024); --allowed-gid takes a number or a group name. Sets
+// `*help` for -h/--help. INVALID_ARGUMENT naming the flag and the value on
+// an unknown flag, a missing or malformed value, or a value out of range.
+Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help);
+
+// The full --help text: every flag, its default and its meaning.
+std::string OptionsHelp();
+
+// One line: "usage: cache-dit-opd [--device N] ...; see --help".
+std::string OptionsUsage();
+
+// Parses "64", "4K", "16M", "2G", "1T" (bytes). INVALID_ARGUMENT otherwise.
+Status ParseByteSize(const std::string& text, uint64_t* out);
+
+}  // namespace cache_dit_opd

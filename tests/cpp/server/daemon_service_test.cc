@@ -1,0 +1,410 @@
+// The daemon's gRPC service end to end, in one process, over a real Unix
+// socket and a real session channel, with fake device operations: what a
+// client sees, without a GPU.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <future>
+#include <thread>
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
+
+#include "cache_dit_opd/v1/opd.grpc.pb.h"
+#include "fakes.h"
+#include "server/daemon.h"
+#include "server/grpc_server.h"
+#include "server/grpc_service.h"
+#include "test_util.h"
+
+namespace cache_dit_opd {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::FakeDeviceOps;
+using testing::FakeRegionOpener;
+using testing::FakeRunner;
+using testing::TempDir;
+
+constexpr char kUuid[] = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
+
+class DaemonServiceTest : public ::testing::Test {
+ protected:
+  void StartDaemon(bool with_gpu, uint32_t drain_ms = 2000) {
+    Options o;
+    o.drain_deadline_ms = drain_ms;
+    o.max_lanes = 4;
+    DaemonInfo info;
+    info.daemon_version = "0.1.0";
+    if (with_gpu) {
+      info.device_index = 0;
+      info.gpu_uuid = kUuid;
+      info.gpu_name = "Fake GPU";
+    }
+    DaemonDeps deps;
+    if (with_gpu) deps = DaemonDeps{&device_, &opener_, &runner_};
+    std::vector<OpInfo> catalog = {{"op", "out", "cache_dit_cuda_ops::op.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)"}};
+    daemon_ = std::make_unique<Daemon>(o, info, catalog, with_gpu ? "" : "no GPU: fake probe said so", deps,
+                                       dir_.File("d.session.sock"));
+    ASSERT_TRUE(daemon_->Start().ok());
+    service_ = std::make_unique<OperatorDaemonService>(daemon_.get());
+    ASSERT_TRUE(server_.Start(dir_.File("d.sock"), 4 << 20, service_.get(), daemon_->serving()).ok());
+    daemon_->SetHealthListener([this](bool s) { server_.SetServing(s); });
+    channel_ = grpc::CreateChannel("unix:" + dir_.File("d.sock"), grpc::InsecureChannelCredentials());
+    stub_ = v1::OperatorDaemon::NewStub(channel_);
+  }
+  void TearDown() override {
+    if (daemon_) {
+      daemon_->RequestShutdown(0, "test end");
+      daemon_->Drain();
+      server_.Shutdown(100ms);
+      daemon_->Stop();
+    }
+  }
+
+  // grpc.health.v1.Health/Check through a generic stub: returns the status
+  // enum (1 SERVING, 2 NOT_SERVING) or -1.
+  int HealthStatus(const std::string& service = "") {
+    grpc::GenericStub generic(channel_);
+    std::string req;
+    if (!service.empty()) {
+      req.push_back(0x0a);
+      req.push_back(static_cast<char>(service.size()));
+      req += service;
+    }
+    grpc::Slice slice(req);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::ClientContext ctx;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                      [&](grpc::Status s) { done.set_value(s); });
+    grpc::Status s = done.get_future().get();
+    if (!s.ok()) return -1;
+    grpc::Slice out;
+    if (!response.DumpToSingleSlice(&out).ok()) return -1;
+    std::string bytes(reinterpret_cast<const char*>(out.begin()), out.size());
+    if (bytes.size() == 2 && bytes[0] == 0x08) return bytes[1];
+    return bytes.empty() ? 0 : -1;
+  }
+
+  struct Bound {
+    uint64_t id = 0;
+    std::string token;
+    int channel_fd = -1;
+    void* memory = nullptr;
+    uint64_t bytes = 0;
+    v1::LaneSemaphores* lane(uint32_t i) {
+      auto* h = static_cast<v1::SessionMemoryHeader*>(memory);
+      return reinterpret_cast<v1::LaneSemaphores*>(static_cast<char*>(memory) + h->lanes_offset) + i;
+    }
+  };
+
+  Bound OpenAndBind(uint32_t lanes = 2) {
+    Bound b;
+    v1::OpenSessionRequest req;
+    req.set_protocol_version(1);
+    req.set_client_pid(getpid());
+    req.set_gpu_uuid(kUuid);
+    req.set_lanes(lanes);
+    v1::OpenSessionReply reply;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub_->OpenSession(&ctx, req, &reply);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    b.id = reply.session_id();
+    b.token = reply.token();
+    b.channel_fd = testing::ConnectSeqpacket(reply.session_channel_path());
+    v1::BindRequest bind = testing::MakeBind(b.id, b.token);
+    EXPECT_EQ(send(b.channel_fd, &bind, sizeof(bind), 0), static_cast<ssize_t>(sizeof(bind)));
+    v1::BindReply br;
+    int memfd = -1;
+    EXPECT_TRUE(testing::RecvBindReply(b.channel_fd, &br, &memfd));
+    EXPECT_EQ(br.status_code, 0) << br.message;
+    b.bytes = br.shared_memory_bytes;
+    b.memory = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+    close(memfd);
+    return b;
+  }
+
+  // Calls are answered when accepted; "done" follows once the executor ran them.
+  static bool DoneReaches(Bound& b, uint32_t lane, uint64_t v) {
+    for (int i = 0; i < 500; ++i) {
+      if (std::atomic_ref<uint64_t>(b.lane(lane)->done).load() >= v) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return false;
+  }
+
+  grpc::Status Call(const Bound& b, uint32_t lane, uint64_t seq, uint64_t region_id = 0) {
+    v1::CallRequest req;
+    req.set_session_id(b.id);
+    req.set_token(b.token);
+    req.set_op("op");
+    req.set_overload("out");
+    req.set_lane(lane);
+    req.set_seq(seq);
+    if (region_id != 0) {
+      auto* t = req.add_args()->mutable_tensor();
+      t->set_region_id(region_id);
+      t->add_sizes(4);
+      t->add_strides(1);
+      t->set_dtype(v1::DTYPE_FLOAT32);
+    }
+    v1::CallReply reply;
+    grpc::ClientContext ctx;
+    return stub_->Call(&ctx, req, &reply);
+  }
+
+  TempDir dir_;
+  FakeDeviceOps device_;
+  FakeRegionOpener opener_;
+  FakeRunner runner_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<OperatorDaemonService> service_;
+  GrpcServer server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::OperatorDaemon::Stub> stub_;
+};
+
+TEST_F(DaemonServiceTest, WithoutGpuAnswersVersionAndReportsNotServing) {
+  StartDaemon(/*with_gpu=*/false);
+  struct stat st;
+  ASSERT_EQ(stat(dir_.File("d.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+
+  v1::VersionReply v;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub_->GetVersion(&ctx, v1::VersionRequest(), &v).ok());
+  EXPECT_EQ(v.protocol_version(), 1u);
+  EXPECT_EQ(v.layout_version(), 1u);
+  EXPECT_FALSE(v.serving());
+  EXPECT_EQ(v.not_serving_reason(), "no GPU: fake probe said so");
+  EXPECT_EQ(v.device_index(), -1);
+  EXPECT_EQ(HealthStatus(), 2);
+  EXPECT_EQ(HealthStatus(kServiceName), 2);
+
+  v1::OpenSessionRequest req;
+  req.set_protocol_version(1);
+  req.set_client_pid(getpid());
+  v1::OpenSessionReply reply;
+  grpc::ClientContext ctx2;
+  grpc::Status s = stub_->OpenSession(&ctx2, req, &reply);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(s.error_message().find("no GPU"), std::string::npos);
+}
+
+TEST_F(DaemonServiceTest, SessionRegionCallStatsClose) {
+  StartDaemon(/*with_gpu=*/true);
+  EXPECT_EQ(HealthStatus(), 1);
+  Bound b = OpenAndBind(2);
+  ASSERT_NE(b.memory, MAP_FAILED);
+
+  // RegisterRegion: bad handle, then a good one, then the same again.
+  v1::RegisterRegionRequest rr;
+  rr.set_session_id(b.id);
+  rr.set_token(b.token);
+  rr.set_ipc_handle(std::string(63, 'h'));
+  v1::RegisterRegionReply reg;
+  {
+    grpc::ClientContext ctx;
+    grpc::Status s = stub_->RegisterRegion(&ctx, rr, &reg);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(s.error_message().find("63 bytes"), std::string::npos);
+  }
+  rr.set_ipc_handle(testing::Handle(5));
+  rr.set_size(1000);
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->RegisterRegion(&ctx, rr, &reg).ok());
+    EXPECT_NE(reg.region_id(), 0u);
+    EXPECT_EQ(reg.mapped_size(), 1u << 20);
+    EXPECT_FALSE(reg.reused());
+  }
+  {
+    v1::RegisterRegionReply again;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->RegisterRegion(&ctx, rr, &again).ok());
+    EXPECT_EQ(again.region_id(), reg.region_id());
+    EXPECT_TRUE(again.reused());
+  }
+
+  // Calls: inputs ready in the shared memory, done written back there.
+  std::atomic_ref<uint64_t>(b.lane(0)->inputs_ready).store(1);
+  grpc::Status s = Call(b, 0, 1, reg.region_id());
+  ASSERT_TRUE(s.ok()) << s.error_message();  // accepted; it runs right after
+  EXPECT_TRUE(DoneReaches(b, 0, 1));
+  s = Call(b, 7, 1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("lane 7"), std::string::npos);
+  s = Call(b, 0, 5);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("expected seq 2, got 5"), std::string::npos);
+  s = Call(b, 0, 2, 999);  // unknown region: rejected in order, done still advances
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(DoneReaches(b, 0, 2));
+  Bound wrong = b;
+  wrong.id = 4242;
+  EXPECT_EQ(Call(wrong, 0, 1).error_code(), grpc::StatusCode::NOT_FOUND);
+  wrong = b;
+  wrong.token = "short";
+  EXPECT_EQ(Call(wrong, 0, 1).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A second session that is not bound yet cannot call.
+  {
+    v1::OpenSessionRequest req;
+    req.set_protocol_version(1);
+    req.set_client_pid(getpid());
+    v1::OpenSessionReply reply;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->OpenSession(&ctx, req, &reply).ok());
+    EXPECT_EQ(reply.catalog_size(), 1);
+    EXPECT_EQ(reply.gpu_uuid(), kUuid);
+    Bound unbound{reply.session_id(), reply.token()};
+    s = Call(unbound, 0, 1);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+
+  v1::StatsRequest sreq;
+  v1::StatsReply stats;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->GetStats(&ctx, sreq, &stats).ok());
+    EXPECT_EQ(stats.sessions(), 2u);
+    EXPECT_EQ(stats.calls(), 1u);
+    EXPECT_GE(stats.errors(), 5u);
+    EXPECT_EQ(stats.regions(), 1u);
+    EXPECT_EQ(stats.mapped_bytes(), 1u << 20);
+    EXPECT_GT(stats.call_p50_us(), 0.0);
+  }
+  sreq.set_session_id(b.id);
+  sreq.set_token(b.token);
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->GetStats(&ctx, sreq, &stats).ok());
+    ASSERT_EQ(stats.session_size(), 1);
+    EXPECT_EQ(stats.session(0).client_pid(), getpid());
+    EXPECT_EQ(stats.session(0).calls(), 1u);
+    EXPECT_EQ(stats.session(0).regions(), 1u);
+  }
+
+  v1::UnregisterRegionRequest ur;
+  ur.set_session_id(b.id);
+  ur.set_token(b.token);
+  ur.set_region_id(reg.region_id());
+  v1::UnregisterRegionReply ureply;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->UnregisterRegion(&ctx, ur, &ureply).ok());
+    EXPECT_FALSE(ureply.deferred());  // the fake GPU finished at once
+  }
+  {
+    grpc::ClientContext ctx;
+    EXPECT_EQ(stub_->UnregisterRegion(&ctx, ur, &ureply).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+
+  v1::CloseSessionRequest cr;
+  cr.set_session_id(b.id);
+  cr.set_token(b.token);
+  v1::CloseSessionReply creply;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->CloseSession(&ctx, cr, &creply).ok());
+  }
+  EXPECT_TRUE(testing::PeerClosed(b.channel_fd));  // the client learns at once
+  // The reaper unmaps once the lanes drained.
+  for (int i = 0; i < 200 && opener_.open_count() > 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(opener_.open_count(), 0);
+  {
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub_->CloseSession(&ctx, cr, &creply).ok());  // idempotent
+  }
+  sreq.Clear();
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->GetStats(&ctx, sreq, &stats).ok());
+    EXPECT_EQ(stats.sessions(), 1u);
+    EXPECT_EQ(stats.sessions_closed(), 1u);
+  }
+  munmap(b.memory, b.bytes);
+  close(b.channel_fd);
+}
+
+TEST_F(DaemonServiceTest, ClientDeathUnmapsAfterLanesDrain) {
+  StartDaemon(/*with_gpu=*/true);
+  Bound b = OpenAndBind(1);
+  v1::RegisterRegionRequest rr;
+  rr.set_session_id(b.id);
+  rr.set_token(b.token);
+  rr.set_ipc_handle(testing::Handle(6));
+  v1::RegisterRegionReply reg;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->RegisterRegion(&ctx, rr, &reg).ok());
+  }
+  device_.hold_writes = true;  // the GPU is behind
+  std::atomic_ref<uint64_t>(b.lane(0)->inputs_ready).store(1);
+  ASSERT_TRUE(Call(b, 0, 1, reg.region_id()).ok());
+  std::this_thread::sleep_for(50ms);  // accepted at once; let the executor launch it
+  close(b.channel_fd);  // the client dies with its call still on the GPU
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(opener_.open_count(), 1);  // not unmapped under a running kernel
+  device_.FlushHeld();
+  for (int i = 0; i < 200 && opener_.open_count() > 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(opener_.open_count(), 0);
+  EXPECT_EQ(device_.stream_count(), 0u);
+  munmap(b.memory, b.bytes);
+}
+
+TEST_F(DaemonServiceTest, DrainDropsCallsWhoseInputsNeverArrive) {
+  StartDaemon(/*with_gpu=*/true, /*drain_ms=*/300);
+  Bound b = OpenAndBind(1);
+  // Accepted at once; it can never run: the client never signals inputs_ready.
+  ASSERT_TRUE(Call(b, 0, 1).ok());
+  auto t0 = std::chrono::steady_clock::now();
+  daemon_->RequestShutdown(0, "test");
+  daemon_->Drain();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 600ms);
+  EXPECT_EQ(std::atomic_ref<uint64_t>(b.lane(0)->done).load(), 1u);  // its wait is released
+  EXPECT_TRUE(testing::PeerClosed(b.channel_fd));
+  EXPECT_EQ(HealthStatus(), 2);
+  server_.Shutdown(100ms);
+  daemon_->Stop();
+  daemon_.reset();
+  struct stat st;
+  EXPECT_NE(stat(dir_.File("d.sock").c_str(), &st), 0);
+  EXPECT_NE(stat(dir_.File("d.session.sock").c_str(), &st), 0);
+  munmap(b.memory, b.bytes);
+  close(b.channel_fd);
+}
+
+TEST_F(DaemonServiceTest, StickyErrorFailsEverySessionAndRequestsExit) {
+  StartDaemon(/*with_gpu=*/true);
+  Bound a = OpenAndBind(1);
+  Bound b = OpenAndBind(1);
+  std::atomic_ref<uint64_t>(a.lane(0)->inputs_ready).store(1);
+  v1::CallRequest req;
+  req.set_session_id(a.id);
+  req.set_token(a.token);
+  req.set_op("sticky");
+  req.set_lane(0);
+  req.set_seq(1);
+  v1::CallReply reply;
+  grpc::ClientContext ctx;
+  grpc::Status s = stub_->Call(&ctx, req, &reply);
+  EXPECT_TRUE(s.ok()) << s.error_message();  // accepted; the CUDA error comes when it runs
+  EXPECT_EQ(daemon_->WaitForShutdownRequest(), 1);
+  EXPECT_TRUE(testing::PeerClosed(a.channel_fd));
+  EXPECT_TRUE(testing::PeerClosed(b.channel_fd));
+  EXPECT_FALSE(daemon_->serving());
+  EXPECT_EQ(Call(b, 0, 1).error_code(), grpc::StatusCode::UNAVAILABLE);
+  munmap(a.memory, a.bytes);
+  munmap(b.memory, b.bytes);
+  close(a.channel_fd);
+  close(b.channel_fd);
+}
+
+}  // namespace
+}  // namespace cache_dit_opd

@@ -1,0 +1,363 @@
+#include "server/executor.h"
+
+#include <gtest/gtest.h>
+#include <time.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <thread>
+
+#include "fakes.h"
+
+namespace cache_dit_opd {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::FakeDeviceOps;
+using testing::FakeRegionOpener;
+using testing::FakeRunner;
+using testing::Handle;
+
+// Collects completions; Wait() blocks until `n` arrived.
+class Results {
+ public:
+  Executor::Completion Slot(int i) {
+    return [this, i](const Status& s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      got_[i] = s;
+      order_.push_back(i);
+      cv_.notify_all();
+    };
+  }
+  bool Wait(size_t n, std::chrono::milliseconds timeout = 5000ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return got_.size() >= n; });
+  }
+  bool Has(int i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return got_.count(i) > 0;
+  }
+  Status Get(int i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return got_.at(i);
+  }
+  std::vector<int> order() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return order_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int, Status> got_;
+  std::vector<int> order_;
+};
+
+CallRequest Req(uint32_t lane, uint64_t seq, std::string op = "noop") {
+  CallRequest r;
+  r.op = std::move(op);
+  r.overload = "out";
+  r.lane = lane;
+  r.seq = seq;
+  return r;
+}
+
+// Polls `pred` for up to `timeout`: a call is answered when it is accepted,
+// and runs later on the executor thread.
+template <typename Pred>
+bool WaitUntil(Pred pred, std::chrono::milliseconds timeout = 5000ms) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+class ExecutorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    executor_ = std::make_unique<Executor>(&device_, &runner_, &stats_, ExecutorOptions{},
+                                           [this](const Status& s) {
+                                             std::lock_guard<std::mutex> lock(mu_);
+                                             ++fatal_calls_;
+                                             fatal_ = s;
+                                           });
+    executor_->Start();
+  }
+  void TearDown() override { executor_->Stop(); }
+
+  std::shared_ptr<Session> NewSession(uint32_t lanes, bool bound = true) {
+    SessionConfig c;
+    c.id = ++next_id_;
+    c.lanes = lanes;
+    c.client_pid = 1;
+    std::shared_ptr<Session> s;
+    EXPECT_TRUE(Session::Create(c, &device_, &opener_, &s).ok());
+    if (bound) s->set_state(SessionState::kBound);
+    return s;
+  }
+  static void SetInputsReady(Session& s, uint32_t lane, uint64_t v) {
+    std::atomic_ref<uint64_t>(s.memory().lane(lane)->inputs_ready).store(v, std::memory_order_release);
+  }
+
+  FakeDeviceOps device_;
+  FakeRegionOpener opener_;
+  FakeRunner runner_;
+  DaemonStats stats_;
+  std::unique_ptr<Executor> executor_;
+  uint64_t next_id_ = 0;
+  std::mutex mu_;
+  int fatal_calls_ = 0;
+  Status fatal_;
+};
+
+TEST_F(ExecutorTest, RunsInSeqOrderAndWritesDone) {
+  auto s = NewSession(1);
+  SetInputsReady(*s, 0, 3);
+  Results r;
+  for (int i = 1; i <= 3; ++i) executor_->Submit(s, Req(0, i), r.Slot(i));
+  ASSERT_TRUE(r.Wait(3));
+  for (int i = 1; i <= 3; ++i) EXPECT_TRUE(r.Get(i).ok()) << r.Get(i).ToString();
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 3; }));
+  auto ran = runner_.ran_copy();
+  ASSERT_EQ(ran.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(ran[i].seq, uint64_t(i + 1));
+    EXPECT_EQ(ran[i].stream, s->lane(0).stream);
+  }
+  EXPECT_EQ(s->memory().Done(0), 3u);
+  EXPECT_EQ(s->lane(0).Completed(), 3u);
+  EXPECT_EQ(s->calls.load(), 3u);
+  EXPECT_EQ(stats_.calls.load(), 3u);
+}
+
+TEST_F(ExecutorTest, SeqMustBePreviousPlusOne) {
+  auto s = NewSession(1);
+  SetInputsReady(*s, 0, 10);
+  Results r;
+  executor_->Submit(s, Req(0, 2), r.Slot(2));
+  ASSERT_TRUE(r.Wait(1));
+  EXPECT_EQ(r.Get(2).code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.Get(2).message().find("expected seq 1, got 2"), std::string::npos) << r.Get(2).message();
+  EXPECT_EQ(s->memory().Done(0), 0u);  // no write: done stays monotone
+  executor_->Submit(s, Req(0, 1), r.Slot(1));
+  ASSERT_TRUE(r.Wait(2));
+  EXPECT_TRUE(r.Get(1).ok());
+  executor_->Submit(s, Req(0, 1), r.Slot(11));  // a replay
+  ASSERT_TRUE(r.Wait(3));
+  EXPECT_EQ(r.Get(11).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->memory().Done(0), 1u);
+  Results z;
+  executor_->Submit(s, Req(0, 0), z.Slot(0));
+  ASSERT_TRUE(z.Wait(1));
+  EXPECT_EQ(z.Get(0).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(ExecutorTest, RejectedCallStillCompletesItsSeqInOrder) {
+  auto s = NewSession(1);
+  Results r;
+  executor_->Submit(s, Req(0, 1), r.Slot(1));
+  executor_->Submit(s, Req(0, 2, "reject"), r.Slot(2));
+  executor_->Submit(s, Req(0, 3), r.Slot(3));
+  // Every call is answered at validation, before its inputs are ready...
+  ASSERT_TRUE(r.Wait(3));
+  EXPECT_TRUE(r.Get(1).ok());
+  EXPECT_EQ(r.Get(2).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(r.Get(3).ok());
+  EXPECT_EQ(r.order(), (std::vector<int>{1, 2, 3}));
+  // ...but "done" of the rejected call 2 waits its turn behind call 1.
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(s->memory().Done(0), 0u);
+  EXPECT_TRUE(runner_.ran_copy().empty());
+  SetInputsReady(*s, 0, 3);
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 3; }));
+  std::vector<uint64_t> written;
+  {
+    std::lock_guard<std::mutex> lock(device_.mu);
+    for (auto& [stream, v] : device_.writes) {
+      if (stream == s->lane(0).stream) written.push_back(v);
+    }
+  }
+  EXPECT_EQ(written, (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_EQ(runner_.ran_copy().size(), 2u);
+  EXPECT_EQ(s->errors.load(), 1u);
+}
+
+TEST_F(ExecutorTest, RejectedHeadDoesNotWaitForInputs) {
+  auto s = NewSession(1);
+  Results r;
+  executor_->Submit(s, Req(0, 1, "reject"), r.Slot(1));
+  ASSERT_TRUE(r.Wait(1, 2000ms));
+  EXPECT_EQ(r.Get(1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->memory().Done(0), 1u);
+}
+
+TEST_F(ExecutorTest, StalledLaneBlocksNoOtherLaneOrSession) {
+  auto a = NewSession(2);
+  auto b = NewSession(1);
+  Results r;
+  executor_->Submit(a, Req(0, 1), r.Slot(100));  // inputs never ready (yet)
+  SetInputsReady(*a, 1, 1);
+  SetInputsReady(*b, 0, 2);
+  executor_->Submit(a, Req(1, 1), r.Slot(200));
+  executor_->Submit(b, Req(0, 1), r.Slot(300));
+  executor_->Submit(b, Req(0, 2), r.Slot(301));
+  ASSERT_TRUE(r.Wait(4));
+  for (int i : {100, 200, 300, 301}) EXPECT_TRUE(r.Get(i).ok()) << i;  // all accepted
+  ASSERT_TRUE(WaitUntil([&] { return a->memory().Done(1) == 1 && b->memory().Done(0) == 2; }));
+  EXPECT_EQ(a->memory().Done(0), 0u);  // the stalled call has not run
+  EXPECT_EQ(executor_->pending(), 1u);
+  SetInputsReady(*a, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return a->memory().Done(0) == 1; }));
+  EXPECT_EQ(executor_->pending(), 0u);
+}
+
+TEST_F(ExecutorTest, ImmediateRejections) {
+  auto s = NewSession(2);
+  auto unbound = NewSession(1, /*bound=*/false);
+  Results r;
+  executor_->Submit(s, Req(2, 1), r.Slot(1));
+  executor_->Submit(unbound, Req(0, 1), r.Slot(2));
+  ASSERT_TRUE(r.Wait(2));
+  EXPECT_EQ(r.Get(1).code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.Get(1).message().find("lane 2 out of range"), std::string::npos) << r.Get(1).message();
+  EXPECT_EQ(r.Get(2).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ExecutorTest, DropSessionCompletesQueuedCallsAndReleasesDone) {
+  auto s = NewSession(2);
+  auto other = NewSession(1);
+  Results r;
+  executor_->Submit(s, Req(0, 1), r.Slot(1));
+  executor_->Submit(s, Req(0, 2), r.Slot(2));
+  executor_->Submit(s, Req(1, 1), r.Slot(3));
+  executor_->Submit(other, Req(0, 1), r.Slot(4));  // also waiting; must survive
+  ASSERT_TRUE(r.Wait(4));  // accepted, none can run
+  std::promise<void> then;
+  s->set_state(SessionState::kClosed);
+  executor_->DropSession(s, Status::Cancelled("client died"), [&] { then.set_value(); });
+  ASSERT_EQ(then.get_future().wait_for(2s), std::future_status::ready);
+  EXPECT_EQ(s->memory().Done(0), 2u);  // released in one write per lane
+  EXPECT_EQ(s->memory().Done(1), 1u);
+  EXPECT_TRUE(s->Drained());
+  EXPECT_EQ(runner_.ran_copy().size(), 0u);
+  EXPECT_EQ(other->memory().Done(0), 0u);
+  SetInputsReady(*other, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return other->memory().Done(0) == 1; }));
+  EXPECT_EQ(runner_.ran_copy().size(), 1u);
+}
+
+TEST_F(ExecutorTest, StickyErrorFailsOnceAndRejectsLaterCalls) {
+  auto s = NewSession(1);
+  SetInputsReady(*s, 0, 5);
+  Results r;
+  executor_->Submit(s, Req(0, 1, "sticky"), r.Slot(1));
+  ASSERT_TRUE(r.Wait(1));
+  EXPECT_TRUE(r.Get(1).ok());  // accepted; the CUDA error comes when it runs
+  ASSERT_TRUE(WaitUntil([&] { return executor_->failed(); }));
+  executor_->Submit(s, Req(0, 2), r.Slot(2));
+  ASSERT_TRUE(r.Wait(2));
+  EXPECT_EQ(r.Get(2).code(), StatusCode::kUnavailable);
+  EXPECT_NE(r.Get(2).message().find("sticky"), std::string::npos) << r.Get(2).message();
+  std::lock_guard<std::mutex> lock(mu_);
+  EXPECT_EQ(fatal_calls_, 1);
+  EXPECT_NE(fatal_.message().find("sticky"), std::string::npos);
+}
+
+TEST_F(ExecutorTest, RegionStaysMappedUntilItsCallFinishesOnTheGpu) {
+  auto s = NewSession(1);
+  RegionRegistry::Registered reg;
+  ASSERT_TRUE(s->regions().Register(Handle(9), 0, &reg).ok());
+  device_.hold_writes = true;  // the GPU is behind: "done" not written yet
+  SetInputsReady(*s, 0, 1);
+  CallRequest req = Req(0, 1);
+  TensorRef t;
+  t.region_id = reg.region_id;
+  t.dtype = DType::kFloat32;
+  req.args.push_back(t);
+  Results r;
+  executor_->Submit(s, req, r.Slot(1));
+  ASSERT_TRUE(r.Wait(1));
+  ASSERT_TRUE(r.Get(1).ok());
+  ASSERT_TRUE(WaitUntil([&] { return runner_.ran_copy().size() == 1; }));
+  bool deferred = false;
+  ASSERT_TRUE(s->regions().Unregister(reg.region_id, &deferred).ok());
+  EXPECT_TRUE(deferred);
+  EXPECT_EQ(s->regions().ReleaseCompleted(), 1u);
+  EXPECT_EQ(opener_.open_count(), 1);
+  EXPECT_FALSE(s->Drained());
+  device_.FlushHeld();  // the kernel and the done write complete
+  EXPECT_TRUE(s->Drained());
+  EXPECT_EQ(s->regions().ReleaseCompleted(), 0u);
+  EXPECT_EQ(opener_.open_count(), 0);
+}
+
+TEST_F(ExecutorTest, FakedSharedDoneDoesNotReleaseRegions) {
+  auto s = NewSession(1);
+  RegionRegistry::Registered reg;
+  ASSERT_TRUE(s->regions().Register(Handle(8), 0, &reg).ok());
+  device_.hold_writes = true;
+  SetInputsReady(*s, 0, 1);
+  CallRequest req = Req(0, 1);
+  TensorRef t;
+  t.region_id = reg.region_id;
+  req.args.push_back(t);
+  Results r;
+  executor_->Submit(s, req, r.Slot(1));
+  ASSERT_TRUE(r.Wait(1));
+  ASSERT_TRUE(WaitUntil([&] { return runner_.ran_copy().size() == 1; }));
+  // A hostile client writes "done" in the shared memory itself.
+  std::atomic_ref<uint64_t>(s->memory().lane(0)->done).store(1000);
+  bool deferred = false;
+  ASSERT_TRUE(s->regions().Unregister(reg.region_id, &deferred).ok());
+  EXPECT_TRUE(deferred);
+  EXPECT_EQ(s->regions().ReleaseCompleted(), 1u);
+  device_.FlushHeld();
+  EXPECT_EQ(s->regions().ReleaseCompleted(), 0u);
+}
+
+double CpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+TEST_F(ExecutorTest, IdleAndWaitingDoNotBurnCpu) {
+  double t0 = CpuSeconds();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_LT(CpuSeconds() - t0, 0.03) << "idle executor used CPU";
+
+  auto s = NewSession(1);
+  Results r;
+  executor_->Submit(s, Req(0, 1), r.Slot(1));  // waits for inputs forever
+  std::this_thread::sleep_for(50ms);           // past the spin window
+  t0 = CpuSeconds();
+  std::this_thread::sleep_for(500ms);
+  // Backoff caps at 1 ms sleeps: a few percent of one core at most.
+  EXPECT_LT(CpuSeconds() - t0, 0.15) << "waiting executor burned CPU";
+  SetInputsReady(*s, 0, 1);
+  ASSERT_TRUE(r.Wait(1));
+  EXPECT_TRUE(r.Get(1).ok());
+}
+
+TEST_F(ExecutorTest, StopCompletesEverythingQueued) {
+  auto s = NewSession(1);
+  Results r;
+  executor_->Submit(s, Req(0, 1), r.Slot(1));  // accepted, never runs: no inputs
+  ASSERT_TRUE(r.Wait(1));
+  EXPECT_TRUE(r.Get(1).ok());
+  executor_->Stop();
+  EXPECT_EQ(s->memory().Done(0), 1u);  // released so the client's stream drains
+  EXPECT_TRUE(runner_.ran_copy().empty());
+  executor_->Submit(s, Req(0, 2), r.Slot(2));
+  ASSERT_TRUE(r.Wait(2));
+  EXPECT_EQ(r.Get(2).code(), StatusCode::kUnavailable);
+  std::promise<void> then;
+  executor_->DropSession(s, Status::Cancelled("late"), [&] { then.set_value(); });
+  EXPECT_EQ(then.get_future().wait_for(1s), std::future_status::ready);
+}
+
+}  // namespace
+}  // namespace cache_dit_opd

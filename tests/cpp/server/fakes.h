@@ -1,0 +1,184 @@
+// Fakes for CPU tests of the daemon's core: device operations that write
+// host memory directly, a region opener with configurable allocations, and a
+// call runner that records what ran where.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "server/call_runner.h"
+#include "server/device_ops.h"
+#include "server/region_opener.h"
+
+namespace cache_dit_opd::testing {
+
+// Device addresses are host addresses; a stream "runs" everything at once.
+class FakeDeviceOps : public DeviceOps {
+ public:
+  Status RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (fail_register) return Status::Internal("fake cuMemHostRegister failure");
+    registered[p] = bytes;
+    *device_address = reinterpret_cast<uint64_t>(p);
+    return Status::Ok();
+  }
+  void UnregisterHostMemory(void* p) override {
+    std::lock_guard<std::mutex> lock(mu);
+    registered.erase(p);
+  }
+  Status CreateStream(void** stream) override {
+    std::lock_guard<std::mutex> lock(mu);
+    *stream = reinterpret_cast<void*>(++next_stream);
+    streams.insert(*stream);
+    return Status::Ok();
+  }
+  void DestroyStream(void* stream) override {
+    std::lock_guard<std::mutex> lock(mu);
+    streams.erase(stream);
+  }
+  Status WriteValue64(void* stream, std::span<const uint64_t> addrs, uint64_t value, bool* sticky) override {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!streams.count(stream)) return Status::Internal("write on unknown stream");
+      writes.push_back({stream, value});
+      if (hold_writes) {
+        held.push_back({std::vector<uint64_t>(addrs.begin(), addrs.end()), value});
+        return Status::Ok();
+      }
+    }
+    (void)sticky;
+    for (uint64_t a : addrs) {
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(a)).store(value, std::memory_order_release);
+    }
+    return Status::Ok();
+  }
+  // Lets held writes "execute" (simulates the GPU catching up).
+  void FlushHeld() {
+    std::vector<std::pair<std::vector<uint64_t>, uint64_t>> h;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      h.swap(held);
+    }
+    for (auto& [addrs, v] : h) {
+      for (uint64_t a : addrs) std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(a)).store(v);
+    }
+  }
+  size_t stream_count() {
+    std::lock_guard<std::mutex> lock(mu);
+    return streams.size();
+  }
+  size_t registered_count() {
+    std::lock_guard<std::mutex> lock(mu);
+    return registered.size();
+  }
+
+  std::mutex mu;
+  std::map<void*, size_t> registered;
+  std::set<void*> streams;
+  uintptr_t next_stream = 0x1000;
+  std::vector<std::pair<void*, uint64_t>> writes;
+  bool hold_writes = false;  // queue writes until FlushHeld (GPU "behind")
+  std::vector<std::pair<std::vector<uint64_t>, uint64_t>> held;
+  bool fail_register = false;
+};
+
+inline std::string Handle(uint8_t tag) { return std::string(64, static_cast<char>(tag)); }
+
+// Allocation size per handle's first byte; bases are fake addresses.
+class FakeRegionOpener : public RegionOpener {
+ public:
+  Status Open(std::string_view handle, void** base, uint64_t* size) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (handle.size() != kIpcHandleBytes) return Status::InvalidArgument("bad handle size");
+    uint8_t tag = static_cast<uint8_t>(handle[0]);
+    if (refuse.count(tag)) return Status::InvalidArgument("fake cudaIpcOpenMemHandle refused");
+    auto it = sizes.find(tag);
+    *size = it == sizes.end() ? default_size : it->second;
+    *base = reinterpret_cast<void*>(uintptr_t{0x7f0000000000} + uintptr_t{tag} * (uintptr_t{1} << 32));
+    ++open[*base];
+    ++opens;
+    return Status::Ok();
+  }
+  void Close(void* base) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (--open[base] == 0) open.erase(base);
+    ++closes;
+  }
+  int open_count() {
+    std::lock_guard<std::mutex> lock(mu);
+    int n = 0;
+    for (auto& [b, c] : open) n += c;
+    return n;
+  }
+  std::mutex mu;
+  std::map<uint8_t, uint64_t> sizes;
+  std::set<uint8_t> refuse;
+  uint64_t default_size = 1 << 20;
+  std::map<void*, int> open;
+  int opens = 0;
+  int closes = 0;
+};
+
+class FakePrepared : public PreparedCall {
+ public:
+  std::string name;
+  std::vector<uint64_t> region_ids;
+  uint64_t seq = 0;
+  uint32_t lane = 0;
+  const std::string& op_name() const override { return name; }
+  const std::vector<uint64_t>& regions() const override { return region_ids; }
+};
+
+// op "reject": Prepare fails INVALID_ARGUMENT. op "sticky": Run reports a
+// sticky error. Tensor args are resolved through the resolver (marks use).
+class FakeRunner : public CallRunner {
+ public:
+  struct Ran {
+    void* stream;
+    uint32_t lane;
+    uint64_t seq;
+    std::string op;
+  };
+  Status Prepare(const CallRequest& req, const RegionResolver& regions,
+                 std::unique_ptr<PreparedCall>* out) override {
+    auto p = std::make_unique<FakePrepared>();
+    p->name = req.op;
+    p->seq = req.seq;
+    p->lane = req.lane;
+    for (const Arg& a : req.args) {
+      if (const auto* t = std::get_if<TensorRef>(&a)) {
+        MappedRegion r;
+        OPD_RETURN_IF_ERROR(regions.Resolve(t->region_id, &r));
+        p->region_ids.push_back(t->region_id);
+      }
+    }
+    if (req.op == "reject") return Status::InvalidArgument("fake validation refused seq ", req.seq);
+    *out = std::move(p);
+    return Status::Ok();
+  }
+  Status Run(PreparedCall& call, void* stream, bool* sticky) override {
+    auto& p = static_cast<FakePrepared&>(call);
+    std::lock_guard<std::mutex> lock(mu);
+    ran.push_back({stream, p.lane, p.seq, p.name});
+    if (p.name == "sticky") {
+      *sticky = true;
+      return Status::Internal("fake illegal address");
+    }
+    return Status::Ok();
+  }
+  std::vector<Ran> ran_copy() {
+    std::lock_guard<std::mutex> lock(mu);
+    return ran;
+  }
+  std::mutex mu;
+  std::vector<Ran> ran;
+};
+
+}  // namespace cache_dit_opd::testing

@@ -1,0 +1,192 @@
+#include <gtest/gtest.h>
+
+#include "cache_dit_opd/v1/opd.pb.h"
+#include "server/grpc_status.h"
+#include "server/proto_convert.h"
+
+namespace cache_dit_opd {
+namespace {
+
+v1::CallRequest SampleCall() {
+  v1::CallRequest c;
+  c.set_session_id(7);
+  c.set_token(std::string(32, '\x01'));
+  c.set_op("fused_merge_attn_states");
+  c.set_overload("out");
+  c.set_lane(1);
+  c.set_seq(42);
+  auto* t = c.add_args()->mutable_tensor();
+  t->set_region_id(3);
+  t->set_byte_offset(128);
+  for (int64_t s : {2, 16, 8, 64}) t->add_sizes(s);
+  for (int64_t s : {8192, 512, 64, 1}) t->add_strides(s);
+  t->set_dtype(v1::DTYPE_BFLOAT16);
+  c.add_args()->set_int_value(-5);
+  c.add_args()->set_float_value(0.125);
+  c.add_args()->set_bool_value(true);
+  auto* ints = c.add_args()->mutable_int_list();
+  for (int64_t v : {1, 2, 3, 4}) ints->add_values(v);
+  c.add_args()->mutable_float_list()->add_values(1.5);
+  c.add_args()->mutable_bool_list()->add_values(false);
+  c.add_args()->mutable_none();
+  return c;
+}
+
+TEST(ProtoTest, CallRequestRoundTripsOnTheWire) {
+  v1::CallRequest a = SampleCall();
+  std::string bytes;
+  ASSERT_TRUE(a.SerializeToString(&bytes));
+  v1::CallRequest b;
+  ASSERT_TRUE(b.ParseFromString(bytes));
+  EXPECT_EQ(b.SerializeAsString(), bytes);
+  EXPECT_EQ(b.args_size(), 8);
+  EXPECT_EQ(b.args(0).tensor().strides(0), 8192);
+  EXPECT_EQ(b.args(1).int_value(), -5);
+  EXPECT_EQ(b.args(7).value_case(), v1::Argument::kNone);
+}
+
+TEST(ProtoTest, DTypeNumbersMatchCallH) {
+  EXPECT_EQ(int(v1::DTYPE_FLOAT32), int(DType::kFloat32));
+  EXPECT_EQ(int(v1::DTYPE_FLOAT16), int(DType::kFloat16));
+  EXPECT_EQ(int(v1::DTYPE_BFLOAT16), int(DType::kBFloat16));
+  EXPECT_EQ(int(v1::DTYPE_FLOAT8_E4M3FN), int(DType::kFloat8E4M3FN));
+  EXPECT_EQ(int(v1::DTYPE_UINT8), int(DType::kUInt8));
+  EXPECT_EQ(int(v1::DTYPE_INT8), int(DType::kInt8));
+  EXPECT_EQ(int(v1::DTYPE_INT32), int(DType::kInt32));
+  EXPECT_EQ(int(v1::DTYPE_INT64), int(DType::kInt64));
+  EXPECT_EQ(int(v1::DTYPE_FLOAT64), int(DType::kFloat64));
+  EXPECT_EQ(int(v1::DTYPE_BOOL), int(DType::kBool));
+  EXPECT_EQ(int(v1::DTYPE_FLOAT8_E5M2), int(DType::kFloat8E5M2));
+}
+
+TEST(ProtoTest, CallRequestDecodesToPlainTypes) {
+  CallRequest r;
+  ASSERT_TRUE(FromProto(SampleCall(), &r).ok());
+  EXPECT_EQ(r.op, "fused_merge_attn_states");
+  EXPECT_EQ(r.overload, "out");
+  EXPECT_EQ(r.lane, 1u);
+  EXPECT_EQ(r.seq, 42u);
+  ASSERT_EQ(r.args.size(), 8u);
+  const auto& t = std::get<TensorRef>(r.args[0]);
+  EXPECT_EQ(t.region_id, 3u);
+  EXPECT_EQ(t.byte_offset, 128u);
+  EXPECT_EQ(t.sizes, (std::vector<int64_t>{2, 16, 8, 64}));
+  EXPECT_EQ(t.strides, (std::vector<int64_t>{8192, 512, 64, 1}));
+  EXPECT_EQ(t.dtype, DType::kBFloat16);
+  EXPECT_EQ(std::get<int64_t>(r.args[1]), -5);
+  EXPECT_EQ(std::get<double>(r.args[2]), 0.125);
+  EXPECT_EQ(std::get<bool>(r.args[3]), true);
+  EXPECT_EQ(std::get<std::vector<int64_t>>(r.args[4]), (std::vector<int64_t>{1, 2, 3, 4}));
+  EXPECT_EQ(std::get<std::vector<double>>(r.args[5]), (std::vector<double>{1.5}));
+  EXPECT_EQ(std::get<std::vector<bool>>(r.args[6]), (std::vector<bool>{false}));
+  EXPECT_TRUE(std::holds_alternative<NoneArg>(r.args[7]));
+}
+
+TEST(ProtoTest, MalformedCallsAreInvalidArgument) {
+  auto expect_bad = [](v1::CallRequest c, const std::string& needle) {
+    CallRequest r;
+    Status s = FromProto(c, &r);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << needle;
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+  };
+  v1::CallRequest c = SampleCall();
+  for (int i = 0; i < 30; ++i) c.add_args()->set_int_value(i);
+  expect_bad(c, "38 arguments");
+
+  c = SampleCall();
+  c.mutable_args(0)->mutable_tensor()->add_sizes(1);
+  expect_bad(c, "5 sizes but 4 strides");
+
+  c = SampleCall();
+  for (int i = 0; i < 5; ++i) {
+    c.mutable_args(0)->mutable_tensor()->add_sizes(1);
+    c.mutable_args(0)->mutable_tensor()->add_strides(1);
+  }
+  expect_bad(c, "9 dims");
+
+  c = SampleCall();
+  c.mutable_args(0)->mutable_tensor()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  expect_bad(c, "dtype 0");
+  c.mutable_args(0)->mutable_tensor()->set_dtype(static_cast<v1::DType>(99));
+  expect_bad(c, "dtype 99");
+
+  c = SampleCall();
+  for (int i = 0; i < 70; ++i) c.mutable_args(4)->mutable_int_list()->add_values(i);
+  expect_bad(c, "argument 4: list of 74");
+
+  c = SampleCall();
+  c.add_args();  // oneof unset
+  expect_bad(c, "argument 8 has no value");
+}
+
+TEST(ProtoTest, RepliesCarryEveryField) {
+  OpenSessionResult o;
+  o.session_id = 9;
+  o.token.fill(0xab);
+  o.catalog = {{"a", "", "cache_dit_cuda_ops::a(Tensor x) -> Tensor"},
+               {"a", "out", "cache_dit_cuda_ops::a.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)"}};
+  o.session_channel_path = "/run/x.session.sock";
+  o.lanes = 2;
+  o.layout_version = 1;
+  o.shared_memory_bytes = 8192;
+  o.gpu_uuid = "GPU-x";
+  o.device_index = 0;
+  o.bind_timeout_ms = 5000;
+  v1::OpenSessionReply r;
+  ToProto(o, &r);
+  EXPECT_EQ(r.token().size(), 32u);
+  EXPECT_EQ(static_cast<uint8_t>(r.token()[5]), 0xab);
+  ASSERT_EQ(r.catalog_size(), 2);
+  EXPECT_EQ(r.catalog(1).overload(), "out");
+  EXPECT_EQ(r.bind_timeout_ms(), 5000u);
+  EXPECT_EQ(r.shared_memory_bytes(), 8192u);
+
+  VersionInfo v;
+  v.info.daemon_version = "0.1.0";
+  v.protocol_version = 1;
+  v.layout_version = 1;
+  v.serving = false;
+  v.not_serving_reason = "no GPU: test";
+  v.info.device_index = -1;
+  v1::VersionReply vr;
+  ToProto(v, &vr);
+  EXPECT_EQ(vr.protocol_version(), 1u);
+  EXPECT_FALSE(vr.serving());
+  EXPECT_EQ(vr.not_serving_reason(), "no GPU: test");
+  EXPECT_EQ(vr.device_index(), -1);
+
+  StatsSnapshot st;
+  st.sessions = 1;
+  st.calls = 10;
+  st.call_p50_us = 3.5;
+  SessionStatsEntry e;
+  e.session_id = 4;
+  e.regions.pending_unmaps = 2;
+  st.sessions_detail.push_back(e);
+  v1::StatsReply sr;
+  ToProto(st, &sr);
+  EXPECT_EQ(sr.calls(), 10u);
+  EXPECT_EQ(sr.call_p50_us(), 3.5);
+  ASSERT_EQ(sr.session_size(), 1);
+  EXPECT_EQ(sr.session(0).pending_unmaps(), 2u);
+}
+
+TEST(GrpcStatusTest, OneToOneCodesAndMessages) {
+  EXPECT_TRUE(ToGrpcStatus(Status::Ok()).ok());
+  for (int c = 1; c <= 14; ++c) {
+    Status s(static_cast<StatusCode>(c), "value 17 is bad");
+    grpc::Status g = ToGrpcStatus(s);
+    EXPECT_EQ(static_cast<int>(g.error_code()), c);
+    EXPECT_EQ(g.error_message(), "value 17 is bad");
+  }
+  EXPECT_EQ(ToGrpcStatus(Status::InvalidArgument("x")).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(ToGrpcStatus(Status::NotFound("x")).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(ToGrpcStatus(Status::FailedPrecondition("x")).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(ToGrpcStatus(Status::ResourceExhausted("x")).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(ToGrpcStatus(Status::PermissionDenied("x")).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(ToGrpcStatus(Status::Unavailable("x")).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(ToGrpcStatus(Status(static_cast<StatusCode>(99), "odd")).error_code(), grpc::StatusCode::UNKNOWN);
+}
+
+}  // namespace
+}  // namespace cache_dit_opd

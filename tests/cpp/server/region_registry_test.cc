@@ -1,0 +1,228 @@
+#include "server/region_registry.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "fakes.h"
+
+namespace cache_dit_opd {
+namespace {
+
+using testing::FakeRegionOpener;
+using testing::Handle;
+
+class RegionRegistryTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<RegionRegistry> Make(RegionLimits limits, uint32_t lanes = 2) {
+    completed_.assign(lanes, 0);
+    return std::make_unique<RegionRegistry>(&opener_, /*device=*/0, limits, lanes,
+                                            [this](uint32_t l) { return completed_[l]; });
+  }
+  FakeRegionOpener opener_;
+  std::vector<uint64_t> completed_;
+};
+
+TEST_F(RegionRegistryTest, HandleMustBe64Bytes) {
+  auto reg = Make({});
+  RegionRegistry::Registered r;
+  Status s = reg->Register(std::string(63, 'a'), 0, &r);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("63 bytes"), std::string::npos) << s.message();
+  EXPECT_EQ(reg->Register(std::string(65, 'a'), 0, &r).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(opener_.opens, 0);
+}
+
+TEST_F(RegionRegistryTest, RegisterReportsDriverSizeAndReusesHandle) {
+  opener_.sizes[1] = 4096;
+  auto reg = Make({});
+  RegionRegistry::Registered a, b;
+  ASSERT_TRUE(reg->Register(Handle(1), 1000, &a).ok());
+  EXPECT_NE(a.region_id, 0u);
+  EXPECT_EQ(a.mapped_size, 4096u);
+  EXPECT_FALSE(a.reused);
+  ASSERT_TRUE(reg->Register(Handle(1), 4096, &b).ok());
+  EXPECT_EQ(b.region_id, a.region_id);
+  EXPECT_TRUE(b.reused);
+  EXPECT_EQ(opener_.opens, 1);
+  MappedRegion m;
+  ASSERT_TRUE(reg->Resolve(a.region_id, &m).ok());
+  EXPECT_EQ(m.size, 4096u);
+  EXPECT_EQ(m.device, 0);
+}
+
+TEST_F(RegionRegistryTest, ClaimLargerThanAllocationClosesHandle) {
+  opener_.sizes[2] = 4096;
+  auto reg = Make({});
+  RegionRegistry::Registered r;
+  Status s = reg->Register(Handle(2), 4097, &r);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("4097"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("4096"), std::string::npos) << s.message();
+  EXPECT_EQ(opener_.open_count(), 0);  // the scope guard closed it
+  EXPECT_EQ(reg->counts().regions, 0u);
+}
+
+TEST_F(RegionRegistryTest, OpenerRefusalPassesThrough) {
+  opener_.refuse.insert(3);
+  auto reg = Make({});
+  RegionRegistry::Registered r;
+  EXPECT_EQ(reg->Register(Handle(3), 0, &r).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(opener_.open_count(), 0);
+}
+
+TEST_F(RegionRegistryTest, RegionLargerThanByteBudgetIsRefused) {
+  opener_.sizes[4] = 8 << 20;
+  auto reg = Make({.max_regions = 10, .max_bytes = 4 << 20});
+  RegionRegistry::Registered r;
+  Status s = reg->Register(Handle(4), 0, &r);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--max-mapped-bytes"), std::string::npos) << s.message();
+  EXPECT_EQ(opener_.open_count(), 0);
+}
+
+TEST_F(RegionRegistryTest, EvictsLeastRecentlyUsedIdleRegion) {
+  auto reg = Make({.max_regions = 2, .max_bytes = 1ull << 40});
+  RegionRegistry::Registered a, b, c;
+  ASSERT_TRUE(reg->Register(Handle(10), 0, &a).ok());
+  ASSERT_TRUE(reg->Register(Handle(11), 0, &b).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 1, &m).ok());  // a is now more recent than b
+  completed_[0] = 1;                                              // and idle again
+  ASSERT_TRUE(reg->Register(Handle(12), 0, &c).ok());
+  EXPECT_EQ(reg->Resolve(b.region_id, &m).code(), StatusCode::kNotFound);
+  EXPECT_TRUE(reg->Resolve(a.region_id, &m).ok());
+  EXPECT_TRUE(reg->Resolve(c.region_id, &m).ok());
+  EXPECT_EQ(opener_.closes, 1);
+  EXPECT_EQ(reg->counts().regions, 2u);
+}
+
+TEST_F(RegionRegistryTest, BusyRegionsAreNotEvicted) {
+  auto reg = Make({.max_regions = 2, .max_bytes = 1ull << 40});
+  RegionRegistry::Registered a, b, c;
+  ASSERT_TRUE(reg->Register(Handle(20), 0, &a).ok());
+  ASSERT_TRUE(reg->Register(Handle(21), 0, &b).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 5, &m).ok());
+  ASSERT_TRUE(reg->ResolveForCall(b.region_id, 1, 7, &m).ok());
+  Status s = reg->Register(Handle(22), 0, &c);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--max-regions 2"), std::string::npos) << s.message();
+  EXPECT_EQ(opener_.open_count(), 2);  // the new handle was closed again
+
+  completed_[0] = 5;  // a's last call finished; b's has not
+  ASSERT_TRUE(reg->Register(Handle(22), 0, &c).ok());
+  EXPECT_EQ(reg->Resolve(a.region_id, &m).code(), StatusCode::kNotFound);
+  EXPECT_TRUE(reg->Resolve(b.region_id, &m).ok());
+}
+
+TEST_F(RegionRegistryTest, ByteBudgetEvictsUntilItFits) {
+  opener_.default_size = 1 << 20;
+  auto reg = Make({.max_regions = 100, .max_bytes = 3 << 20});
+  RegionRegistry::Registered r;
+  for (uint8_t t = 30; t < 33; ++t) ASSERT_TRUE(reg->Register(Handle(t), 0, &r).ok());
+  EXPECT_EQ(reg->counts().mapped_bytes, 3u << 20);
+  opener_.sizes[33] = 2 << 20;
+  ASSERT_TRUE(reg->Register(Handle(33), 0, &r).ok());
+  EXPECT_EQ(reg->counts().regions, 2u);  // two 1 MiB regions made room
+  EXPECT_EQ(reg->counts().mapped_bytes, 3u << 20);
+  EXPECT_EQ(opener_.closes, 2);
+}
+
+TEST_F(RegionRegistryTest, UnregisterDefersUntilEveryLanePassedLastUse) {
+  auto reg = Make({});
+  RegionRegistry::Registered a;
+  ASSERT_TRUE(reg->Register(Handle(40), 0, &a).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 2, &m).ok());
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 1, 3, &m).ok());
+  completed_[0] = 2;
+  completed_[1] = 2;
+  bool deferred = false;
+  ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+  EXPECT_TRUE(deferred);
+  EXPECT_EQ(reg->Resolve(a.region_id, &m).code(), StatusCode::kNotFound);
+  EXPECT_EQ(reg->counts().pending_unmaps, 1u);
+  EXPECT_EQ(reg->ReleaseCompleted(), 1u);
+  EXPECT_EQ(opener_.closes, 0);
+  completed_[1] = 3;
+  EXPECT_EQ(reg->ReleaseCompleted(), 0u);
+  EXPECT_EQ(opener_.closes, 1);
+  EXPECT_EQ(reg->counts().mapped_bytes, 0u);
+}
+
+TEST_F(RegionRegistryTest, UnregisterIdleIsNotDeferred) {
+  auto reg = Make({});
+  RegionRegistry::Registered a;
+  ASSERT_TRUE(reg->Register(Handle(41), 0, &a).ok());
+  bool deferred = true;
+  ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+  EXPECT_FALSE(deferred);
+  EXPECT_EQ(reg->ReleaseCompleted(), 0u);
+  EXPECT_EQ(opener_.open_count(), 0);
+  Status s = reg->Unregister(a.region_id, &deferred);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_NE(s.message().find(std::to_string(a.region_id)), std::string::npos);
+}
+
+TEST_F(RegionRegistryTest, ReRegisteringAPendingHandleRevivesIt) {
+  auto reg = Make({});
+  RegionRegistry::Registered a, b;
+  ASSERT_TRUE(reg->Register(Handle(42), 0, &a).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 9, &m).ok());
+  bool deferred = false;
+  ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+  ASSERT_TRUE(deferred);
+  ASSERT_TRUE(reg->Register(Handle(42), 0, &b).ok());
+  EXPECT_EQ(b.region_id, a.region_id);
+  EXPECT_TRUE(b.reused);
+  EXPECT_EQ(opener_.opens, 1);  // CUDA maps a handle once per process
+  EXPECT_EQ(reg->counts().pending_unmaps, 0u);
+}
+
+TEST_F(RegionRegistryTest, ClosedRegistryRefusesAndReleasesAfterDrain) {
+  auto reg = Make({});
+  RegionRegistry::Registered a, b;
+  ASSERT_TRUE(reg->Register(Handle(50), 0, &a).ok());
+  ASSERT_TRUE(reg->Register(Handle(51), 0, &b).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(b.region_id, 1, 4, &m).ok());
+  reg->CloseRegistry();
+  RegionRegistry::Registered c;
+  EXPECT_EQ(reg->Register(Handle(52), 0, &c).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg->Resolve(a.region_id, &m).code(), StatusCode::kNotFound);
+  EXPECT_EQ(reg->ReleaseCompleted(), 1u);  // b still in use on lane 1
+  completed_[1] = 4;
+  EXPECT_EQ(reg->ReleaseCompleted(), 0u);
+  EXPECT_EQ(opener_.open_count(), 0);
+}
+
+TEST_F(RegionRegistryTest, ResolveForCallChecksLaneAndId) {
+  auto reg = Make({}, 2);
+  RegionRegistry::Registered a;
+  ASSERT_TRUE(reg->Register(Handle(60), 0, &a).ok());
+  MappedRegion m;
+  EXPECT_EQ(reg->ResolveForCall(a.region_id, 2, 1, &m).code(), StatusCode::kInvalidArgument);
+  Status s = reg->ResolveForCall(777, 0, 1, &m);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_NE(s.message().find("777"), std::string::npos);
+  CallRegionResolver resolver(reg.get(), 1, 6);
+  ASSERT_TRUE(resolver.Resolve(a.region_id, &m).ok());
+  bool deferred = false;
+  ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+  EXPECT_TRUE(deferred);  // the resolver recorded lane 1's use at seq 6
+}
+
+TEST_F(RegionRegistryTest, DestructorClosesEverything) {
+  {
+    auto reg = Make({});
+    RegionRegistry::Registered r;
+    ASSERT_TRUE(reg->Register(Handle(70), 0, &r).ok());
+    ASSERT_TRUE(reg->Register(Handle(71), 0, &r).ok());
+  }
+  EXPECT_EQ(opener_.open_count(), 0);
+}
+
+}  // namespace
+}  // namespace cache_dit_opd

@@ -1,0 +1,87 @@
+// Helpers for tests that talk to the session channel like a client would.
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include "cache_dit_opd/v1/session_memory.h"
+
+namespace cache_dit_opd::testing {
+
+// A fresh temporary directory, removed (with its files) on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/opd-test-XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() {
+    std::string cmd = "rm -rf '" + path_ + "'";
+    int rc = system(cmd.c_str());
+    (void)rc;
+  }
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline int ConnectSeqpacket(const std::string& path) {
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+inline v1::BindRequest MakeBind(uint64_t session_id, const std::string& token) {
+  v1::BindRequest req{};
+  req.magic = v1::kBindRequestMagic;
+  req.protocol_version = v1::kProtocolVersion;
+  req.session_id = session_id;
+  std::memcpy(req.token, token.data(), std::min<size_t>(token.size(), sizeof(req.token)));
+  return req;
+}
+
+// Receives a BindReply and the attached fd (-1 when none). Returns false on
+// timeout or EOF.
+inline bool RecvBindReply(int fd, v1::BindReply* reply, int* memfd, int timeout_ms = 3000) {
+  *memfd = -1;
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, timeout_ms) != 1) return false;
+  iovec iov{reply, sizeof(*reply)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+  if (n != static_cast<ssize_t>(sizeof(*reply))) return false;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(memfd, CMSG_DATA(c), sizeof(int));
+  }
+  return true;
+}
+
+// True when the peer closed the connection within `timeout_ms`.
+inline bool PeerClosed(int fd, int timeout_ms = 3000) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, timeout_ms) != 1) return false;
+  char buf[512];
+  return recv(fd, buf, sizeof(buf), MSG_DONTWAIT) == 0;
+}
+
+}  // namespace cache_dit_opd::testing
