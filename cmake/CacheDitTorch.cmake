@@ -48,6 +48,10 @@ target_include_directories(cache_dit::torch SYSTEM INTERFACE
 target_compile_definitions(cache_dit::torch INTERFACE
   _GLIBCXX_USE_CXX11_ABI=${_cache_dit_torch_abi}
   CACHE_DIT_TORCH_VERSION="${CACHE_DIT_TORCH_VERSION}")
+# libtorch_cuda is linked even when no symbol of it is used (as torch's own
+# CMake package does): its static initializers register the CUDA hooks and
+# allocator, without which a program that is not Python fails at its first
+# CUDA tensor ("dummyHasPrimaryContext: Should never been called").
 target_link_libraries(cache_dit::torch INTERFACE
-  "${_lib}/libtorch.so" "${_lib}/libtorch_cuda.so" "${_lib}/libtorch_cpu.so"
-  "${_lib}/libc10_cuda.so" "${_lib}/libc10.so")
+  "${_lib}/libtorch.so" "-Wl,--no-as-needed" "${_lib}/libtorch_cuda.so" "-Wl,--as-needed"
+  "${_lib}/libtorch_cpu.so" "${_lib}/libc10_cuda.so" "${_lib}/libc10.so")

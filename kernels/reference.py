@@ -31,7 +31,7 @@ def per_token_dequant(records: torch.Tensor) -> torch.Tensor:
     """[..., D + 2] e4m3fn records -> [..., D] bf16."""
     raw = records.view(torch.uint8)
     d = raw.shape[-1] - 2
-    scale = raw[..., d:].contiguous().view(torch.bfloat16).float()
+    scale = raw[..., d:].clone().view(torch.bfloat16).float()  # clone: offset 0, aligned
     return (records[..., :d].float() * scale).to(torch.bfloat16)
 
 
@@ -47,7 +47,7 @@ def qkv_permute_dequant(records: torch.Tensor) -> torch.Tensor:
     """[S, B, N, D + 4] e4m3fn records -> [B, S, N, D] bf16 in true [B, S] order."""
     raw = records.view(torch.uint8)
     d = raw.shape[-1] - 4
-    scale = raw[..., d:].contiguous().view(torch.float32)
+    scale = raw[..., d:].clone().view(torch.float32)
     y = (records[..., :d].float() * scale).to(torch.bfloat16)
     return y.permute(1, 0, 2, 3).contiguous()
 

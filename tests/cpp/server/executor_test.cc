@@ -256,7 +256,11 @@ TEST_F(ExecutorTest, StickyErrorFailsOnceAndRejectsLaterCalls) {
   executor_->Submit(s, Req(0, 1, "sticky"), r.Slot(1));
   ASSERT_TRUE(r.Wait(1));
   EXPECT_TRUE(r.Get(1).ok());  // accepted; the CUDA error comes when it runs
-  ASSERT_TRUE(WaitUntil([&] { return executor_->failed(); }));
+  ASSERT_TRUE(WaitUntil([&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fatal_calls_ > 0;
+  }));
+  EXPECT_TRUE(executor_->failed());
   executor_->Submit(s, Req(0, 2), r.Slot(2));
   ASSERT_TRUE(r.Wait(2));
   EXPECT_EQ(r.Get(2).code(), StatusCode::kUnavailable);
