@@ -168,7 +168,7 @@ void launch_typed(MergeParams& p, const at::Tensor& prev_out, const at::Tensor& 
       p.prev_st.b % kVec == 0 && p.prev_st.s % kVec == 0 && p.prev_st.h % kVec == 0 &&
       p.suff_st.b % kVec == 0 && p.suff_st.s % kVec == 0 && p.suff_st.h % kVec == 0;
   const int64_t units = vector ? p.D / kVec : p.D;
-  const int tpr = cuda::threads_per_row(units);
+  const int tpr = cuda::threads_per_row(units, 1);
   p.log2_tpr = __builtin_ctz(tpr);
   const int64_t rows_per_block = kThreads / tpr;
   const int64_t blocks = std::min<int64_t>(cuda::ceil_div(p.rows, rows_per_block), INT32_MAX);

@@ -349,16 +349,16 @@ void quantize_rows(const bf16* x, uint8_t* out, int64_t rows, int64_t D, const R
                    bool vector, cudaStream_t stream) {
   QuantParams p{x, out, rows, D, 0};
   const int64_t packs = cuda::ceil_div(D, kPack);
-  const int tpr = cuda::threads_per_row(packs);
+  const int tpr = cuda::threads_per_row(packs, 1);
   p.log2_tpr = __builtin_ctz(tpr);
   const int64_t chunks = cuda::ceil_div(packs, tpr);
   const bool huge = rows > INT32_MAX;  // record indices must fit the 32-bit row maps
   if (huge) {
     const int64_t blocks = std::min<int64_t>(rows, INT32_MAX);
     fp8_quant_long_rows_kernel<Format, RowMap><<<blocks, kThreads, 0, stream>>>(p, map);
-  } else if (chunks == 1) {  // D <= 8
+  } else if (chunks == 1) {  // D <= 256
     launch_quant<Format, RowMap, 1, 4>(p, map, vector, stream);
-  } else if (chunks == 2) {  // D <= 16
+  } else if (chunks == 2) {  // D <= 512
     launch_quant<Format, RowMap, 2, 2>(p, map, vector, stream);
   } else if (chunks <= 4) {
     launch_quant<Format, RowMap, 4, 1>(p, map, vector, stream);
@@ -439,7 +439,7 @@ void dequantize_rows(const uint8_t* in, bf16* out, int64_t rows, int64_t D, cons
                      bool vector, cudaStream_t stream) {
   DequantParams p{in, out, rows, D, 0, 1};
   const int64_t packs = cuda::ceil_div(D, kPack);
-  const int tpr = cuda::threads_per_row(packs);
+  const int tpr = cuda::threads_per_row(packs, 4);
   p.log2_tpr = __builtin_ctz(tpr);
   const int groups = kThreads / tpr;
   // Stage ~16 KiB of records per block, so each thread has four 16-byte loads

@@ -176,14 +176,20 @@ TEST_F(DispatchGpuTest, RunsOnTheGivenStream) {
                 nullptr),
             cudaSuccess);
   const Status status = RunCall(*call, stream_, nullptr);
-  std::vector<uint8_t> before(out_bytes, 0xff);
-  const cudaError_t copied = cudaMemcpyAsync(before.data(), static_cast<char*>(base_) + out_offset,
+  // Pinned, so the probe's copy is a real async copy: a pageable one may be
+  // staged through the driver's own thread, which the host function blocks.
+  uint8_t* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), out_bytes), cudaSuccess);
+  std::memset(pinned, 0xff, out_bytes);
+  const cudaError_t copied = cudaMemcpyAsync(pinned, static_cast<char*>(base_) + out_offset,
                                              out_bytes, cudaMemcpyDeviceToHost, probe);
   const cudaError_t probed = cudaStreamSynchronize(probe);
   const cudaError_t pending = cudaStreamQuery(stream_);
   released = true;
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   cudaStreamDestroy(probe);
+  const std::vector<uint8_t> before(pinned, pinned + out_bytes);
+  cudaFreeHost(pinned);
 
   ASSERT_TRUE(status.ok()) << status.ToString();
   ASSERT_EQ(copied, cudaSuccess);
