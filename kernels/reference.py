@@ -18,6 +18,15 @@ def _records(payload: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
     return torch.cat([payload.view(torch.uint8), scale_bytes], dim=-1).view(FP8)
 
 
+def _bytes_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterprets the trailing bytes of each record (a strided slice) as dtype."""
+    # A fresh tensor has offset 0 and row-major strides, which view(dtype)
+    # needs; clone() or contiguous() of a slice can keep its offset or strides.
+    buf = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device)
+    buf.copy_(raw)
+    return buf.view(dtype)
+
+
 def per_token_quant(x: torch.Tensor) -> torch.Tensor:
     """[..., D] bf16 -> [..., D + 2] e4m3fn records with a bf16 scale."""
     xf = x.float()
@@ -31,7 +40,7 @@ def per_token_dequant(records: torch.Tensor) -> torch.Tensor:
     """[..., D + 2] e4m3fn records -> [..., D] bf16."""
     raw = records.view(torch.uint8)
     d = raw.shape[-1] - 2
-    scale = raw[..., d:].clone().view(torch.bfloat16).float()  # clone: offset 0, aligned
+    scale = _bytes_as(raw[..., d:], torch.bfloat16).float()
     return (records[..., :d].float() * scale).to(torch.bfloat16)
 
 
@@ -47,7 +56,7 @@ def qkv_permute_dequant(records: torch.Tensor) -> torch.Tensor:
     """[S, B, N, D + 4] e4m3fn records -> [B, S, N, D] bf16 in true [B, S] order."""
     raw = records.view(torch.uint8)
     d = raw.shape[-1] - 4
-    scale = raw[..., d:].clone().view(torch.float32)
+    scale = _bytes_as(raw[..., d:], torch.float32)
     y = (records[..., :d].float() * scale).to(torch.bfloat16)
     return y.permute(1, 0, 2, 3).contiguous()
 

@@ -157,6 +157,11 @@ TEST_F(DispatchGpuTest, RunsOnTheGivenStream) {
               TensorRef{kRegionId, out_offset, {rows, d + 2}, {d + 2, 1}, DType::kFloat8E4M3FN}};
   std::unique_ptr<PreparedCall> call;
   ASSERT_TRUE(PrepareCall(req, *regions_, /*device_type_meta=*/false, &call).ok());
+  // The process's first call runs torch's lazy CUDA initialization, which
+  // may synchronize the device: get it done before the stream is held.
+  ASSERT_TRUE(RunCall(*call, stream_, nullptr).ok());
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  ASSERT_EQ(cudaMemset(static_cast<char*>(base_) + out_offset, 0, out_bytes), cudaSuccess);
 
   cudaStream_t probe = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking), cudaSuccess);
