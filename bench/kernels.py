@@ -162,6 +162,27 @@ def table(res) -> str:
     return "\n".join(lines)
 
 
+def environment(lib: str) -> dict:
+    """GPU, driver, CUDA, torch and git commit of this run."""
+    import subprocess
+
+    def out(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            return ""
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "driver": (out("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader").splitlines() or [""])[0],
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "git_commit": out("git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"),
+        "library": lib,
+        "timing": "CUDA graphs of back-to-back calls over input sets > 4x L2, median of 7 replays",
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", required=True, help="path of libcache_dit_cuda_ops.so")
@@ -170,6 +191,7 @@ def main():
     args = ap.parse_args()
     res = run(args.lib, args.only)
     res["device"] = torch.cuda.get_device_name()
+    res["env"] = environment(args.lib)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     print(table(res))
