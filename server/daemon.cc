@@ -28,10 +28,12 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
   limits.max_lanes = options_.max_lanes;
   limits.regions = RegionLimits{options_.max_regions, options_.max_mapped_bytes};
   limits.bind_timeout_ms = options_.bind_timeout_ms;
+  limits.ring_capacity = options_.ring ? options_.ring_capacity : 0;
   sessions_ = std::make_unique<SessionManager>(
       limits, info_.device_index, info_.gpu_uuid, deps_.device_ops, deps_.opener,
       PeerPolicy::ForThisProcess(options_.allowed_gid),
-      [this](const std::shared_ptr<Session>& s, const Status& reason) { OnSessionEnd(s, reason); });
+      [this](const std::shared_ptr<Session>& s, const Status& reason) { OnSessionEnd(s, reason); },
+      [this](const std::shared_ptr<Session>& s) { OnSessionBound(s); });
   channel_ = std::make_unique<SessionChannel>(session_socket_, sessions_.get());
 }
 
@@ -53,7 +55,7 @@ VersionInfo Daemon::Version() const {
   std::lock_guard<std::mutex> lock(mu_);
   v.serving = serving_;
   v.not_serving_reason = not_serving_reason_;
-  v.ring_available = false;  // issue 6
+  v.ring_available = options_.ring;
   return v;
 }
 
@@ -101,7 +103,7 @@ Status Daemon::OpenSession(const OpenSessionParams& params, OpenSessionResult* o
   out->lanes = s->lane_count();
   out->layout_version = v1::kLayoutVersion;
   out->shared_memory_bytes = s->memory().bytes();
-  out->ring_enabled = false;
+  out->ring_enabled = s->has_ring();
   out->gpu_uuid = info_.gpu_uuid;
   out->device_index = info_.device_index;
   out->bind_timeout_ms = options_.bind_timeout_ms;
@@ -173,6 +175,24 @@ void Daemon::Call(uint64_t session_id, std::string_view token, CallRequest req, 
   executor_->Submit(s, std::move(req), std::move(done));
 }
 
+void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq, Status reason,
+                          Executor::Completion done) {
+  bool refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    refused = !serving_ || draining_;
+  }
+  std::shared_ptr<Session> s;
+  if (!refused) refused = !sessions_->Authorize(session_id, token, /*require_bound=*/true, &s).ok();
+  if (refused) {
+    // Nobody takes the seq; the transport's own error is the answer.
+    stats_.errors.fetch_add(1, std::memory_order_relaxed);
+    done(reason);
+    return;
+  }
+  executor_->SubmitRejected(s, lane, seq, std::move(reason), std::move(done));
+}
+
 Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const {
   std::vector<std::shared_ptr<Session>> all = sessions_->Snapshot();
   std::vector<std::shared_ptr<Session>> detail;
@@ -207,8 +227,61 @@ Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapsh
   return Status::Ok();
 }
 
+void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
+  if (!session->has_ring()) return;
+  const uint64_t id = session->id();
+  const std::string token(reinterpret_cast<const char*>(session->token().data()), session->token().size());
+  RingConsumer::Sink sink;
+  // The gRPC Call's own entry points, token included: the same checks.
+  sink.submit = [this, id, token](CallRequest req, Executor::Completion done) {
+    Call(id, token, std::move(req), std::move(done));
+  };
+  sink.submit_rejected = [this, id, token](uint32_t lane, uint64_t seq, Status reason, Executor::Completion done) {
+    CallRejected(id, token, lane, seq, std::move(reason), std::move(done));
+  };
+  // Ending the session joins its consumer, so never on the consumer itself.
+  sink.on_violation = [this, id](const Status& why) {
+    if (!reaper_->Post([this, id, why] { sessions_->End(id, why); })) {
+      spdlog::warn("session {}: shutting down; the ring violation ends it with every other", id);
+    }
+  };
+  RingConsumerOptions ro;
+  ro.spin = std::chrono::microseconds(options_.ring_spin_us);
+  std::lock_guard<std::mutex> lock(rings_mu_);
+  // A racing End has set kClosed before its OnSessionEnd takes rings_mu_: if
+  // we see kBound here, that OnSessionEnd will find and stop this consumer.
+  if (rings_stopped_ || session->state() != SessionState::kBound) return;
+  auto consumer = std::make_unique<RingConsumer>(session, &catalog_, std::move(sink), std::move(ro));
+  consumer->Start();
+  rings_[id] = std::move(consumer);
+  spdlog::info("session {}: call ring of {} slots served (spin {} us)", id, session->memory().ring_capacity(),
+               options_.ring_spin_us);
+}
+
+void Daemon::StopRings() {
+  std::map<uint64_t, std::unique_ptr<RingConsumer>> rings;
+  {
+    std::lock_guard<std::mutex> lock(rings_mu_);
+    rings_stopped_ = true;
+    rings.swap(rings_);
+  }
+  for (auto& [id, consumer] : rings) consumer->RequestStop();
+  for (auto& [id, consumer] : rings) consumer->Stop();
+}
+
 void Daemon::OnSessionEnd(const std::shared_ptr<Session>& session, const Status& reason) {
   stats_.sessions_closed.fetch_add(1, std::memory_order_relaxed);
+  // The ring first: it takes no record from now on (any it already handed
+  // over is answered FAILED_PRECONDITION, or dropped below with the rest).
+  std::unique_ptr<RingConsumer> ring;
+  {
+    std::lock_guard<std::mutex> lock(rings_mu_);
+    if (auto it = rings_.find(session->id()); it != rings_.end()) {
+      ring = std::move(it->second);
+      rings_.erase(it);
+    }
+  }
+  if (ring) ring->Stop();
   channel_->CloseSession(session->id());
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -291,6 +364,7 @@ void Daemon::Drain() {
 }
 
 void Daemon::Stop() {
+  StopRings();
   if (channel_) channel_->Stop();
   if (executor_) executor_->Stop();
   if (reaper_) reaper_->Stop();

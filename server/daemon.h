@@ -2,12 +2,15 @@
 //
 // The daemon's core, independent of any transport: what every RPC does, in
 // terms of the plain types of server/ (the gRPC service in
-// server/grpc_service.h only converts messages and statuses; the
-// shared-memory ring of issue 6 will call Call() the same way).
+// server/grpc_service.h only converts messages and statuses; each session's
+// shared-memory call ring calls Call() the same way, from its RingConsumer).
 //
 // Owns and wires: SessionManager (sessions, tokens, binding), SessionChannel
 // (the SOCK_SEQPACKET socket and its thread), Executor (CUDA launches, lane
-// ordering), Reaper (region open/close, session teardown) and the stats.
+// ordering), Reaper (region open/close, session teardown), one RingConsumer
+// per bound session with a ring (started at bind, stopped when the session
+// ends; a ring protocol violation ends that session on the reaper thread)
+// and the stats.
 //
 // Without a GPU (DaemonDeps null) the daemon still runs: Version() answers,
 // serving() is false with the probe's reason, and OpenSession fails
@@ -20,6 +23,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -35,6 +39,7 @@
 #include "server/reaper.h"
 #include "server/region_opener.h"
 #include "server/region_registry.h"
+#include "server/ring_consumer.h"
 #include "server/session_channel.h"
 #include "server/session_manager.h"
 #include "server/stats.h"
@@ -127,8 +132,15 @@ class Daemon {
   void RegisterRegion(uint64_t session_id, std::string_view token, std::string handle, uint64_t claimed_size,
                       std::function<void(const Status&, const RegionRegistry::Registered&)> done);
   Status UnregisterRegion(uint64_t session_id, std::string_view token, uint64_t region_id, bool* deferred);
-  // Completes once the call is enqueued on the GPU (or rejected).
+  // Answered once the call is accepted (validated and queued to run when its
+  // inputs are ready) or rejected.
   void Call(uint64_t session_id, std::string_view token, CallRequest req, Executor::Completion done);
+  // A call its transport could not decode but whose lane and seq are known
+  // (a malformed ring record): the same session checks as Call, then
+  // Executor::SubmitRejected, so the seq completes in order when it is the
+  // lane's next. Always answered with `reason`.
+  void CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq, Status reason,
+                    Executor::Completion done);
   Status GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const;
 
   // --- health and lifecycle ---
@@ -158,7 +170,9 @@ class Daemon {
 
  private:
   void SetNotServing(const std::string& reason);
+  void OnSessionBound(const std::shared_ptr<Session>& session);
   void OnSessionEnd(const std::shared_ptr<Session>& session, const Status& reason);
+  void StopRings();
   void OnFatal(const Status& status);
 
   const Options options_;
@@ -184,6 +198,12 @@ class Daemon {
   bool shutdown_requested_ = false;        // guarded by mu_
   int exit_code_ = 0;                      // guarded by mu_
   std::function<void(bool)> health_listener_;  // guarded by mu_
+
+  // Lock order: never held while taking mu_ or calling into the consumers'
+  // sinks; a consumer is stopped (joined) outside it.
+  std::mutex rings_mu_;
+  std::map<uint64_t, std::unique_ptr<RingConsumer>> rings_;  // guarded by rings_mu_
+  bool rings_stopped_ = false;                               // guarded by rings_mu_
 };
 
 }  // namespace cache_dit_opd

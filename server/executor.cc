@@ -56,39 +56,61 @@ void Executor::Stop() {
   }
 }
 
-void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done) {
-  Status reject;
-  if (req.lane >= session->lane_count()) {
-    reject = Status::InvalidArgument("lane ", req.lane, " out of range: session ", session->id(), " has ",
-                                     session->lane_count(), " lane(s)");
-  } else if (req.seq == 0) {
-    reject = Status::InvalidArgument("lane ", req.lane, ": seq 0 is invalid (a lane's first seq is 1)");
-  } else {
-    std::lock_guard<std::mutex> lock(mu_);
-    Lane& lane = session->lane(req.lane);
-    if (fatal_) {
-      reject = fatal_status_;
-    } else if (stop_) {
-      reject = Status::Unavailable("the daemon is shutting down");
-    } else if (session->state() != SessionState::kBound) {
-      reject = session->state() == SessionState::kClosed
-                   ? Status::FailedPrecondition("session ", session->id(), " has ended")
-                   : Status::FailedPrecondition("session ", session->id(), " is not bound yet");
-    } else if (req.seq != lane.next_seq) {
-      reject = Status::InvalidArgument("lane ", req.lane, ": expected seq ", lane.next_seq, ", got ", req.seq);
-    } else {
-      ++lane.next_seq;
-      intake_.push_back(Item{session, std::move(req), std::move(done), Clock::now(), nullptr, Status(), false});
-      ++pending_;
-    }
+Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
+  const uint32_t lane_index = item.req.lane;
+  const uint64_t seq = item.req.seq;
+  if (lane_index >= session->lane_count()) {
+    return Status::InvalidArgument("lane ", lane_index, " out of range: session ", session->id(), " has ",
+                                   session->lane_count(), " lane(s)");
   }
+  if (seq == 0) return Status::InvalidArgument("lane ", lane_index, ": seq 0 is invalid (a lane's first seq is 1)");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Lane& lane = session->lane(lane_index);
+    if (fatal_) return fatal_status_;
+    if (stop_) return Status::Unavailable("the daemon is shutting down");
+    if (session->state() != SessionState::kBound) {
+      return session->state() == SessionState::kClosed
+                 ? Status::FailedPrecondition("session ", session->id(), " has ended")
+                 : Status::FailedPrecondition("session ", session->id(), " is not bound yet");
+    }
+    if (seq != lane.next_seq) {
+      return Status::InvalidArgument("lane ", lane_index, ": expected seq ", lane.next_seq, ", got ", seq);
+    }
+    ++lane.next_seq;
+    intake_.push_back(std::move(item));
+    ++pending_;
+  }
+  cv_.notify_one();
+  return Status::Ok();
+}
+
+void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done) {
+  Item item{session, std::move(req), std::move(done), Clock::now(), nullptr, Status(), false};
+  Status reject = Enqueue(session, item);
   if (!reject.ok()) {
     session->errors.fetch_add(1, std::memory_order_relaxed);
     if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
-    done(reject);
-    return;
+    item.done(reject);
   }
-  cv_.notify_one();
+}
+
+void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq, Status reason,
+                              Completion done) {
+  if (reason.ok()) reason = Status::Internal("SubmitRejected without a reason");
+  CallRequest req;
+  req.op = "(rejected by its transport)";
+  req.lane = lane;
+  req.seq = seq;
+  // Answered now, on this thread: the verdict is already known. Queued as
+  // answered, so at its turn Finish only writes "done" and counts the error.
+  Item item{session, std::move(req), [](const Status&) {}, Clock::now(), nullptr, reason, true};
+  Status reject = Enqueue(session, item);
+  if (!reject.ok()) {
+    session->errors.fetch_add(1, std::memory_order_relaxed);
+    if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+  }
+  done(reason);
 }
 
 void Executor::DropSession(const std::shared_ptr<Session>& session, Status reason, std::function<void()> then) {

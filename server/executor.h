@@ -1,10 +1,11 @@
 // File: server/executor.h
 //
 // The per-device executor: one thread that owns every CUDA launch of the
-// daemon. Transports (the gRPC Call handler today, the shared-memory call
-// ring later) hand it a transport-neutral CallRequest plus a completion
-// callback; the same path decodes, validates, dispatches and completes
-// every call.
+// daemon. Transports (the gRPC Call handler and the shared-memory call ring,
+// both through Daemon::Call) hand it a transport-neutral CallRequest plus a
+// completion callback; the same path decodes, validates, dispatches and
+// completes every call. A ring record too malformed to decode still names
+// its lane and seq: SubmitRejected keeps that seq's "done" in order.
 //
 // Ordering (DESIGN.md section 1):
 //   - Each session lane has its own daemon stream; calls on a lane run in
@@ -94,6 +95,18 @@ class Executor {
   // or after a sticky CUDA error).
   void Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done);
 
+  // Executor::SubmitRejected
+  //
+  // A call the transport already rejected (a malformed ring record whose
+  // header still names its lane and seq). The same immediate checks as
+  // Submit apply; a call that passes them takes its seq, is answered with
+  // `reason` at once (on the calling thread) and is queued like any call:
+  // at its turn the lane stream writes its "done" in order and nothing runs.
+  // A call that fails them is answered with `reason` too (the transport's
+  // error names the real defect) and touches no lane.
+  void SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq, Status reason,
+                      Completion done);
+
   // Executor::DropSession
   //
   // Completes every queued call of `session` with `reason`, enqueues one
@@ -129,8 +142,11 @@ class Executor {
     std::function<void()> then;
   };
 
+  // The immediate checks shared by Submit and SubmitRejected; on success
+  // takes the lane's next seq and moves `item` into the intake.
+  Status Enqueue(const std::shared_ptr<Session>& session, Item& item);
   void Loop();
-  // Validates every queued call not yet answered and answers it.
+  // Prepares and validates `item`, records the verdict and answers it.
   void Accept(LaneQueue& q, Item& item);
   // Runs what is ready; returns whether anything completed.
   bool RunReady();

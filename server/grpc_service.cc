@@ -70,10 +70,16 @@ grpc::ServerUnaryReactor* OperatorDaemonService::Call(grpc::CallbackServerContex
                                                       const v1::CallRequest* request, v1::CallReply*) {
   CallRequest req;
   Status s = FromProto(*request, &req);
-  if (!s.ok()) return FinishNow(ctx, s);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  daemon_->Call(request->session_id(), request->token(), std::move(req),
-                [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); });
+  auto finish = [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); };
+  if (!s.ok()) {
+    // A malformed call still completes its seq in order when it is the
+    // lane's next (same rule as a malformed ring record).
+    daemon_->CallRejected(request->session_id(), request->token(), request->lane(), request->seq(),
+                          std::move(s), std::move(finish));
+    return reactor;
+  }
+  daemon_->Call(request->session_id(), request->token(), std::move(req), std::move(finish));
   return reactor;
 }
 

@@ -131,6 +131,11 @@ int Run(int argc, char** argv) {
     return 2;
   }
   daemon.SetHealthListener([&server](bool serving) { server.SetServing(serving); });
+  if (opts.ring) {
+    spdlog::info("call ring offered: {} slots per session, spin {} us", opts.ring_capacity, opts.ring_spin_us);
+  } else {
+    spdlog::info("call ring not offered (--no-ring): sessions use gRPC Call");
+  }
   spdlog::info("cache-dit-opd {} (pid {}) listening: gRPC unix:{}, session channel {}; health {}{}",
                CACHE_DIT_OPD_VERSION, getpid(), paths.grpc, paths.session,
                daemon.serving() ? "SERVING" : "NOT_SERVING",

@@ -159,6 +159,18 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
       gid_t gid = 0;
       OPD_RETURN_IF_ERROR(ParseGid(value, &gid));
       opts->allowed_gid = gid;
+    } else if (flag == "--ring" || flag == "--no-ring") {
+      if (has_value) return Status::InvalidArgument(flag, " takes no value (got '", value, "')");
+      opts->ring = flag == "--ring";
+    } else if (flag == "--ring-capacity") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 8, 1024, &opts->ring_capacity));
+      if ((opts->ring_capacity & (opts->ring_capacity - 1)) != 0) {
+        return Status::InvalidArgument(flag, ": ", opts->ring_capacity, " is not a power of two");
+      }
+    } else if (flag == "--ring-spin-us") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 100000, &opts->ring_spin_us));
     } else if (flag == "--load-library") {
       OPD_RETURN_IF_ERROR(next());
       if (value.empty()) return Status::InvalidArgument("--load-library: empty path");
@@ -175,7 +187,8 @@ std::string OptionsUsage() {
          "                     [--max-sessions N] [--max-lanes N] [--max-regions N]\n"
          "                     [--max-mapped-bytes SIZE] [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
-         "                     [--load-library PATH]... ; see --help\n";
+         "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
+         "                     [--ring-spin-us US] ; see --help\n";
 }
 
 std::string OptionsHelp() {
@@ -209,6 +222,15 @@ std::string OptionsHelp() {
          "                           group name); by default only the daemon's own uid is admitted.\n"
          "  --load-library PATH      Load an extra op library (dlopen; its TORCH_LIBRARY\n"
          "                           registrations add ops). Repeatable.\n"
+         "  --ring, --no-ring        Offer (default) or not the shared-memory call ring: a session\n"
+         "                           that asks for it gets call records in and completions out in\n"
+         "                           its shared memory (proto/cache_dit_opd/v1/ring.h); gRPC Call\n"
+         "                           keeps working either way.\n"
+         "  --ring-capacity N        Slots of each session's call ring, a power of two in\n"
+         "                           [8, 1024] (default 64; about 2.3 KiB of shared memory each).\n"
+         "  --ring-spin-us US        After a ring's last record, busy-poll it this long before\n"
+         "                           sleeping on its futex doorbell (default 50; 0 sleeps at once).\n"
+         "                           One thread per ring session; an idle ring uses no CPU.\n"
          "  -h, --help               Print this help and exit.\n"
          "\n"
          "Sockets are created mode 0660. A stale socket (nobody accepts on it) is replaced; a live\n"

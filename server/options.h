@@ -17,6 +17,7 @@
 #include <sys/types.h>
 #include <vector>
 
+#include "cache_dit_opd/v1/ring.h"
 #include "server/status.h"
 
 namespace cache_dit_opd {
@@ -35,12 +36,16 @@ struct Options {
   uint32_t bind_timeout_ms = 5000;       // --bind-timeout-ms: time to bind a session on the channel
   std::optional<gid_t> allowed_gid;      // --allowed-gid: a group admitted besides the daemon's uid
   std::vector<std::string> load_libraries;  // --load-library (repeatable): extra op libraries
+  bool ring = true;                      // --ring / --no-ring: offer the shared-memory call ring
+  uint32_t ring_capacity = v1::kDefaultRingCapacity;  // --ring-capacity: slots per ring, power of two 8..1024
+  uint32_t ring_spin_us = 50;            // --ring-spin-us: busy-poll window after a ring's last record
 };
 
 // ParseOptions
 //
 // Accepts `--flag value` and `--flag=value`; sizes take K, M, G, T suffixes
-// (powers of 1024); --allowed-gid takes a number or a group name. Sets
+// (powers of 1024); --allowed-gid takes a number or a group name; --ring and
+// --no-ring take no value (the last one wins). Sets
 // `*help` for -h/--help. INVALID_ARGUMENT naming the flag and the value on
 // an unknown flag, a missing or malformed value, or a value out of range.
 Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help);

@@ -92,6 +92,7 @@ OpenSessionParams FromProto(const v1::OpenSessionRequest& in) {
   p.gpu_uuid = in.gpu_uuid();
   p.lanes = in.lanes();
   p.client_name = in.client_name();
+  p.want_ring = in.want_ring();
   return p;
 }
 

@@ -19,7 +19,7 @@ Status Session::Create(const SessionConfig& config, DeviceOps* device, RegionOpe
                        std::shared_ptr<Session>* out) {
   std::shared_ptr<Session> s(new Session(config, device));
   // On any failure below, the destructor releases what was acquired.
-  OPD_RETURN_IF_ERROR(SessionMemory::Create(config.id, config.lanes, config.ring_bytes, &s->memory_));
+  OPD_RETURN_IF_ERROR(SessionMemory::Create(config.id, config.lanes, config.ring_capacity, &s->memory_));
   uint64_t shm_device = 0;
   OPD_RETURN_IF_ERROR(device->RegisterHostMemory(s->memory_->data(), s->memory_->bytes(), &shm_device));
   s->memory_registered_ = true;

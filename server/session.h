@@ -18,6 +18,7 @@
 
 #include <array>
 #include <atomic>
+#include <mutex>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -63,7 +64,7 @@ struct SessionConfig {
   uint32_t lanes = 1;
   int device = 0;
   RegionLimits region_limits;
-  uint64_t ring_bytes = 0;    // the call ring (issue 6); 0 = none
+  uint32_t ring_capacity = 0;  // call ring slots (a power of two); 0 = no ring
 };
 
 class Session {
@@ -87,6 +88,8 @@ class Session {
   Lane& lane(uint32_t i) { return *lanes_[i]; }
   const Lane& lane(uint32_t i) const { return *lanes_[i]; }
   SessionMemory& memory() { return *memory_; }
+  // The shared memory holds a call ring (OpenSessionReply.ring_enabled).
+  bool has_ring() const { return memory_->ring_capacity() > 0; }
   RegionRegistry& regions() { return *regions_; }
   const RegionRegistry& regions() const { return *regions_; }
 

@@ -40,14 +40,15 @@ bool TokenEquals(const SessionToken& a, std::string_view b) {
 }
 
 SessionManager::SessionManager(SessionLimits limits, int device, std::string gpu_uuid, DeviceOps* device_ops,
-                               RegionOpener* opener, PeerPolicy policy, EndHook on_end)
+                               RegionOpener* opener, PeerPolicy policy, EndHook on_end, BindHook on_bound)
     : limits_(limits),
       device_(device),
       gpu_uuid_(std::move(gpu_uuid)),
       device_ops_(device_ops),
       opener_(opener),
       policy_(policy),
-      on_end_(std::move(on_end)) {}
+      on_end_(std::move(on_end)),
+      on_bound_(std::move(on_bound)) {}
 
 Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>* out) {
   if (p.protocol_version != v1::kProtocolVersion) {
@@ -72,6 +73,7 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
   config.lanes = std::min(std::max<uint32_t>(p.lanes, 1), limits_.max_lanes);
   config.device = device_;
   config.region_limits = limits_.regions;
+  config.ring_capacity = p.want_ring ? limits_.ring_capacity : 0;
   OPD_RETURN_IF_ERROR(RandomToken(&config.token));
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -98,9 +100,11 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
     }
     sessions_[config.id] = s;
   }
-  spdlog::info("session {}: opened for pid {} ({}), {} lane(s), {} bytes of shared memory; bind within {} ms",
+  spdlog::info("session {}: opened for pid {} ({}), {} lane(s), {} bytes of shared memory{}; bind within {} ms",
                config.id, config.client_pid, config.client_name.empty() ? "unnamed" : config.client_name,
-               config.lanes, s->memory().bytes(), limits_.bind_timeout_ms);
+               config.lanes, s->memory().bytes(),
+               config.ring_capacity ? fmt::format(", call ring of {} slots", config.ring_capacity) : "",
+               limits_.bind_timeout_ms);
   *out = std::move(s);
   return Status::Ok();
 }
@@ -141,6 +145,7 @@ Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::s
     s->set_state(SessionState::kBound);
   }
   spdlog::info("session {}: bound to pid {} uid {} gid {}", s->id(), peer.pid, peer.uid, peer.gid);
+  if (on_bound_) on_bound_(s);
   *out = std::move(s);
   return Status::Ok();
 }

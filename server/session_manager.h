@@ -5,7 +5,9 @@
 //             (shared memory, lanes) and its random token.
 //   Bind      the session channel's BindRequest plus SO_PEERCRED: admitted
 //             uid/gid (PeerPolicy), pid == OpenSession's client_pid, right
-//             token, not bound yet. Only then is the session usable.
+//             token, not bound yet. Only then is the session usable; the
+//             bind hook then runs (the daemon starts the session's ring
+//             consumer there).
 //   Authorize every session-scoped RPC: token size, id, token, bound.
 //   End       removes the session at once (later RPCs: NOT_FOUND) and hands
 //             it to the end hook (the daemon drops its queued calls, waits
@@ -45,6 +47,9 @@ struct SessionLimits {
   uint32_t max_lanes = 16;
   RegionLimits regions;
   uint32_t bind_timeout_ms = 5000;
+  // Call ring slots given to a session that asks for the ring (a power of
+  // two); 0: the ring is not offered (--no-ring).
+  uint32_t ring_capacity = 0;
 };
 
 struct OpenSessionParams {
@@ -53,6 +58,7 @@ struct OpenSessionParams {
   std::string gpu_uuid;  // "" accepts any
   uint32_t lanes = 0;    // 0 means 1; more than --max-lanes is cut down
   std::string client_name;
+  bool want_ring = false;  // granted when SessionLimits::ring_capacity > 0
 };
 
 inline constexpr size_t kMaxClientNameBytes = 128;
@@ -62,10 +68,14 @@ class SessionManager {
   // Called once per ended session, outside the manager's lock, with the
   // reason (the first one, if several raced).
   using EndHook = std::function<void(const std::shared_ptr<Session>&, const Status& reason)>;
+  // Called once per bound session, outside the manager's lock, on the
+  // binding thread. The session may already have ended again by then (a
+  // racing CloseSession): check its state under the hook's own lock.
+  using BindHook = std::function<void(const std::shared_ptr<Session>&)>;
   using Clock = std::chrono::steady_clock;
 
   SessionManager(SessionLimits limits, int device, std::string gpu_uuid, DeviceOps* device_ops,
-                 RegionOpener* opener, PeerPolicy policy, EndHook on_end);
+                 RegionOpener* opener, PeerPolicy policy, EndHook on_end, BindHook on_bound = nullptr);
 
   Status Open(const OpenSessionParams& params, std::shared_ptr<Session>* out);
 
@@ -104,6 +114,7 @@ class SessionManager {
   RegionOpener* const opener_;
   const PeerPolicy policy_;
   const EndHook on_end_;
+  const BindHook on_bound_;
 
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // guarded by mu_

@@ -17,17 +17,21 @@ uint64_t RoundUp(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
 
 }  // namespace
 
-uint64_t SessionMemory::BytesFor(uint32_t lanes, uint64_t ring_bytes) {
-  uint64_t lanes_end = RoundUp(LaneOffset(lanes), kPage);
-  return lanes_end + RoundUp(ring_bytes, kPage);
+uint64_t SessionMemory::RingOffset(uint32_t lanes) { return RoundUp(LaneOffset(lanes), kPage); }
+
+uint64_t SessionMemory::BytesFor(uint32_t lanes, uint32_t ring_capacity) {
+  return RingOffset(lanes) + (ring_capacity ? RoundUp(v1::RingBytes(ring_capacity), kPage) : 0);
 }
 
-Status SessionMemory::Create(uint64_t session_id, uint32_t lanes, uint64_t ring_bytes,
+Status SessionMemory::Create(uint64_t session_id, uint32_t lanes, uint32_t ring_capacity,
                              std::unique_ptr<SessionMemory>* out) {
   if (lanes == 0) return Status::InvalidArgument("a session needs at least one lane");
+  if ((ring_capacity & (ring_capacity - 1)) != 0) {
+    return Status::InvalidArgument("ring capacity ", ring_capacity, " is not a power of two");
+  }
   std::unique_ptr<SessionMemory> m(new SessionMemory());
   m->lanes_ = lanes;
-  m->bytes_ = BytesFor(lanes, ring_bytes);
+  m->bytes_ = BytesFor(lanes, ring_capacity);
   m->fd_ = memfd_create("cache-dit-opd-session", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (m->fd_ < 0) return Status::Internal("memfd_create: ", std::strerror(errno));
   if (ftruncate(m->fd_, static_cast<off_t>(m->bytes_)) != 0) {
@@ -51,12 +55,21 @@ Status SessionMemory::Create(uint64_t session_id, uint32_t lanes, uint64_t ring_
   h->lane_count = lanes;
   h->lane_stride = sizeof(v1::LaneSemaphores);
   h->lanes_offset = v1::kLanesOffset;
-  uint64_t ring_offset = RoundUp(LaneOffset(lanes), kPage);
-  h->ring_offset = ring_bytes ? ring_offset : 0;
-  h->ring_bytes = ring_bytes ? RoundUp(ring_bytes, kPage) : 0;
+  h->ring_offset = ring_capacity ? RingOffset(lanes) : 0;
+  h->ring_bytes = ring_capacity ? v1::RingBytes(ring_capacity) : 0;
   h->daemon_pid = static_cast<uint64_t>(getpid());
   h->daemon_heartbeat = 0;
-  // ftruncate zero-filled the lanes and the ring already.
+  // ftruncate zero-filled the lanes and the ring already (sq_tail, sq_head,
+  // every done_ticket 0; doorbell kDoorbellAwake).
+  if (ring_capacity) {
+    m->ring_capacity_ = ring_capacity;
+    m->ring_offset_ = RingOffset(lanes);
+    v1::RingControl* c = m->ring_control();
+    c->version = v1::kRingVersion;
+    c->capacity = ring_capacity;
+    c->slot_bytes = v1::kSlotBytes;
+    c->completion_bytes = v1::kCompletionBytes;
+  }
   *out = std::move(m);
   return Status::Ok();
 }
@@ -76,6 +89,26 @@ uint64_t SessionMemory::InputsReady(uint32_t i) const {
 
 uint64_t SessionMemory::Done(uint32_t i) const {
   return std::atomic_ref<uint64_t>(lane(i)->done).load(std::memory_order_acquire);
+}
+
+v1::RingControl* SessionMemory::ring_control() const {
+  if (ring_capacity_ == 0) return nullptr;
+  return reinterpret_cast<v1::RingControl*>(static_cast<char*>(data_) + ring_offset_);
+}
+
+const uint8_t* SessionMemory::ring_slot(uint64_t ticket) const {
+  if (ring_capacity_ == 0) return nullptr;
+  const uint64_t index = ticket & (ring_capacity_ - 1);
+  return static_cast<const uint8_t*>(data_) + ring_offset_ + v1::kRingControlBytes + index * v1::kSlotBytes;
+}
+
+v1::CompletionRecord* SessionMemory::ring_completion(uint64_t ticket) const {
+  if (ring_capacity_ == 0) return nullptr;
+  const uint64_t index = ticket & (ring_capacity_ - 1);
+  const uint64_t completions =
+      ring_offset_ + v1::kRingControlBytes + uint64_t{ring_capacity_} * v1::kSlotBytes;
+  return reinterpret_cast<v1::CompletionRecord*>(static_cast<char*>(data_) + completions +
+                                                 index * v1::kCompletionBytes);
 }
 
 void SessionMemory::Heartbeat() {

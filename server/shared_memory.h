@@ -11,13 +11,19 @@
 // the header once at creation and the heartbeat counter afterwards; the
 // lanes' "done" values are written by the daemon's lane streams, not the host.
 //
-// Room for the call ring (issue 6): Create takes `ring_bytes`; the ring sits
-// page-aligned after the lanes and the header records ring_offset/ring_bytes.
+// The call ring (proto/cache_dit_opd/v1/ring.h), when the session has one,
+// sits at a page-aligned ring_offset after the lanes, ring_bytes =
+// v1::RingBytes(capacity) long (the mapping is page-rounded past it). The
+// daemon writes its RingControl once at creation; afterwards it reads only
+// sq_tail and the slots (each copied once, by server/ring_consumer.h) and
+// writes sq_head, the doorbell and the completions. It never reads a size,
+// capacity or offset back from the ring: its own `ring_capacity()` rules.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
+#include "cache_dit_opd/v1/ring.h"
 #include "cache_dit_opd/v1/session_memory.h"
 #include "server/status.h"
 
@@ -29,8 +35,10 @@ class SessionMemory {
   //
   // memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING), ftruncate, seal
   // (F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL), mmap shared, header and
-  // zeroed lanes. `lanes` >= 1. INTERNAL naming the failing syscall.
-  static Status Create(uint64_t session_id, uint32_t lanes, uint64_t ring_bytes,
+  // zeroed lanes; with `ring_capacity` > 0 (a power of two) also the call
+  // ring, its RingControl filled in. `lanes` >= 1. INVALID_ARGUMENT for a
+  // bad lane count or capacity, INTERNAL naming the failing syscall.
+  static Status Create(uint64_t session_id, uint32_t lanes, uint32_t ring_capacity,
                        std::unique_ptr<SessionMemory>* out);
   ~SessionMemory();
   SessionMemory(const SessionMemory&) = delete;
@@ -45,8 +53,11 @@ class SessionMemory {
   static uint64_t LaneOffset(uint32_t lane) {
     return v1::kLanesOffset + uint64_t{lane} * sizeof(v1::LaneSemaphores);
   }
-  // Total size for `lanes` lanes and a ring of `ring_bytes`, page-rounded.
-  static uint64_t BytesFor(uint32_t lanes, uint64_t ring_bytes);
+  // Where the ring starts for `lanes` lanes: the first page after them.
+  static uint64_t RingOffset(uint32_t lanes);
+  // Total size for `lanes` lanes and a ring of `ring_capacity` slots (0: no
+  // ring), page-rounded.
+  static uint64_t BytesFor(uint32_t lanes, uint32_t ring_capacity);
 
   v1::SessionMemoryHeader* header() const { return static_cast<v1::SessionMemoryHeader*>(data_); }
   v1::LaneSemaphores* lane(uint32_t i) const;
@@ -57,12 +68,21 @@ class SessionMemory {
   // Increments the header's daemon_heartbeat (release store).
   void Heartbeat();
 
+  // The call ring; capacity 0 and null pointers when the session has none.
+  // Slot and completion accessors mask `ticket` by the daemon's capacity.
+  uint32_t ring_capacity() const { return ring_capacity_; }
+  v1::RingControl* ring_control() const;
+  const uint8_t* ring_slot(uint64_t ticket) const;
+  v1::CompletionRecord* ring_completion(uint64_t ticket) const;
+
  private:
   SessionMemory() = default;
   int fd_ = -1;
   void* data_ = nullptr;
   uint64_t bytes_ = 0;
   uint32_t lanes_ = 0;
+  uint32_t ring_capacity_ = 0;
+  uint64_t ring_offset_ = 0;
 };
 
 }  // namespace cache_dit_opd

@@ -5,6 +5,13 @@ with local fakes; it needs neither a daemon nor a GPU. The first op call on a
 CUDA device opens a session with the daemon that serves that GPU (found by its
 UUID; ``CACHE_DIT_OPD_ADDRESS`` overrides the lookup). Ops live in
 :mod:`cache_dit_opd.kernels`.
+
+Calls travel through the session's shared-memory call ring when the daemon
+offers it (``CACHE_DIT_OPD_RING=0``: gRPC only). Ring calls are synchronous by
+default (a rejected call raises where it is made); ``set_async_calls(True)``
+(process) or ``with async_calls():`` (this thread) makes them asynchronous:
+errors then surface at the session's next call, at :func:`synchronize`, or
+when the session closes.
 """
 
 from __future__ import annotations
@@ -12,17 +19,27 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import kernels  # noqa: E402  (defines the ops in cache_dit_cuda_ops)
-from ._session import CatalogSkewError, DaemonUnavailableError, SessionFailedError  # noqa: E402
+from ._session import (  # noqa: E402
+    CatalogSkewError,
+    DaemonUnavailableError,
+    SessionFailedError,
+    async_calls,
+    async_calls_enabled,
+    set_async_calls,
+)
 
 __all__ = [
     "CatalogSkewError",
     "DaemonUnavailableError",
     "SessionFailedError",
+    "async_calls",
+    "async_calls_enabled",
     "close_sessions",
     "daemon_address",
     "daemon_info",
     "daemon_stats",
     "kernels",
+    "set_async_calls",
     "synchronize",
 ]
 
@@ -32,7 +49,11 @@ def synchronize(device=None) -> None:
 
     Errors that could not be raised at a call site (the daemon died with calls
     unfinished; with the shared-memory ring in asynchronous mode, a rejected
-    call) are raised here, once. With no CUDA device it only reports errors.
+    call, named with its op and the daemon's reason) are raised here, once:
+    the first error's type (``ValueError`` for rejected arguments), with the
+    others in its message. Waits for every ring record in flight (of every
+    session of this process) to be answered first. With no CUDA device it only
+    reports errors.
     """
     import torch
 
@@ -42,11 +63,7 @@ def synchronize(device=None) -> None:
         torch.cuda.synchronize(device)
     errors = _session.take_deferred_errors()
     if errors:
-        if len(errors) > 1:
-            raise type(errors[0])(
-                f"{errors[0]}\n(and {len(errors) - 1} more: " + "; ".join(str(e) for e in errors[1:]) + ")"
-            )
-        raise errors[0]
+        raise _session.combine_errors(errors)
 
 
 def daemon_address(device=None) -> str | None:
@@ -72,6 +89,8 @@ def daemon_info(device=None) -> dict:
         "session_id": s.reply.session_id,
         "lanes": s.reply.lanes,
         "transport": s.transport.name,
+        "ring_capacity": s.transport.producer.capacity if s.transport.name == "ring" else 0,
+        "async_calls": _session.async_calls_enabled(),
         "catalog": sorted(f"{n}.{o}" if o else n for n, o in s.catalog),
     }
 
@@ -103,7 +122,11 @@ def _is_repeated(field) -> bool:
 
 
 def close_sessions() -> None:
-    """Closes this process's sessions; the next op call opens new ones."""
+    """Closes this process's sessions; the next op call opens new ones.
+
+    Raises what asynchronous calls of those sessions were rejected with and
+    that was not reported yet (after closing them all).
+    """
     from . import _session
 
-    _session.close_all()
+    _session.close_all(raise_errors=True)

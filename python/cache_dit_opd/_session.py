@@ -17,21 +17,40 @@ A call (``Session.call``) on the caller's current stream:
   ``inputs_ready := seq`` on the stream, send the call, and after the reply
   enqueue ``wait done >= seq`` on the stream. No host synchronization.
 
-Transports: ``_GrpcTransport`` sends each call as a unary ``Call`` RPC. The
-shared-memory ring (issue 6) slots in beside it with the same ``call(...)``
-contract; deferred (asynchronous) errors are queued with
-``_report_deferred`` and raised by ``cache_dit_opd.synchronize()``.
+Transports: ``_GrpcTransport`` sends each call as a unary ``Call`` RPC.
+``_RingTransport`` publishes it as a record in the session's shared-memory call
+ring (``_ring``, proto/cache_dit_opd/v1/ring.h) when the daemon granted one
+(``OpenSessionRequest.want_ring``; ``CACHE_DIT_OPD_RING=0`` turns it off); a
+call the ring cannot carry (op missing from the catalog, record larger than a
+slot) goes over gRPC after the ring's earlier records, so each lane's seq
+order holds across both transports. Both share the lane protocol above.
+
+Modes (ring only; over gRPC every call is synchronous): synchronous by
+default, the call waits for its completion and a rejection raises at the call
+site, exactly as over gRPC. Asynchronous (``set_async_calls(True)`` for the
+process, ``with async_calls():`` for the calling thread), the call returns
+once its record is published and its stream wait on ``done >= seq`` is
+enqueued; a rejection is raised by the next call on the session (which then
+does not run), by ``cache_dit_opd.synchronize()``, or by ``Session.close()``,
+whichever comes first. Errors of a session that fails meanwhile go to the
+process-wide deferred list (``_report_deferred``) that ``synchronize()`` raises.
 
 Failure: when the session channel closes, the watcher thread waits until the
 daemon process is gone (pidfd) or every lane has completed; if the daemon died
 with calls unfinished, it writes every lane's ``done`` from the host so the
 client's streams drain, fails the session, and reports the lost calls at
-``synchronize()``. The next call opens a new session (reconnect).
+``synchronize()``. The next call opens a new session (reconnect). The same
+watcher checks the daemon's heartbeat (``SessionMemoryHeader.daemon_heartbeat``,
+~10 increments a second) while calls are outstanding: a daemon that stopped
+advancing it for ``CACHE_DIT_OPD_HEARTBEAT_TIMEOUT_S`` fails the session the
+same way. Ring waits (completion, room in the ring) check the session, the
+daemon's pid and the heartbeat between sleeps, so none waits forever.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -42,9 +61,10 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
-from . import _discovery, _layout, _regions
+from . import _discovery, _layout, _regions, _ring
 
 log = logging.getLogger("cache_dit_opd")
 
@@ -52,6 +72,9 @@ CONNECT_TIMEOUT_S = float(os.environ.get("CACHE_DIT_OPD_CONNECT_TIMEOUT_S", "10"
 CALL_TIMEOUT_S = float(os.environ.get("CACHE_DIT_OPD_CALL_TIMEOUT_S", "600"))
 DRAIN_TIMEOUT_S = float(os.environ.get("CACHE_DIT_OPD_DRAIN_TIMEOUT_S", "30"))
 DEFAULT_LANES = int(os.environ.get("CACHE_DIT_OPD_LANES", "8"))
+# A daemon whose heartbeat stops advancing this long while calls are outstanding is treated as hung (0: never).
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("CACHE_DIT_OPD_HEARTBEAT_TIMEOUT_S", "5"))
+WATCH_INTERVAL_S = 0.25
 NAMESPACE = "cache_dit_cuda_ops"
 
 # torch dtype name -> wire DType (proto/cache_dit_opd/v1/opd.proto, server/call.h)
@@ -124,8 +147,46 @@ def _session_unknown(code: str, details: str) -> bool:
                                            and bool(_UNKNOWN_SESSION.search(details)))
 
 
+def _status_error(code: str, details: str) -> Exception:
+    """The exception a call's error status maps to (both transports)."""
+    if code in _REJECT_CODES:
+        return _CallRejected(code, details)
+    return _TransportBroken(code, details)
+
+
+def _pb_args(pb, args: list) -> list:
+    """Arguments in the neutral form of ``Session._encode`` (or already ``pb.Argument``) as protobuf."""
+    out = []
+    for a in args:
+        if not isinstance(a, tuple):
+            out.append(a)  # a pb.Argument
+            continue
+        kind, v = a
+        if kind == _ring.ARG_TENSOR:
+            rid, off, sizes, strides, dtype = v
+            out.append(pb.Argument(tensor=pb.TensorRef(region_id=rid, byte_offset=off, sizes=sizes, strides=strides,
+                                                       dtype=dtype)))
+        elif kind == _ring.ARG_NONE:
+            out.append(pb.Argument(none=pb.NoneValue()))
+        elif kind == _ring.ARG_BOOL:
+            out.append(pb.Argument(bool_value=v))
+        elif kind == _ring.ARG_INT:
+            out.append(pb.Argument(int_value=v))
+        elif kind == _ring.ARG_FLOAT:
+            out.append(pb.Argument(float_value=v))
+        elif kind == _ring.ARG_BOOL_LIST:
+            out.append(pb.Argument(bool_list=pb.BoolList(values=v)))
+        elif kind == _ring.ARG_INT_LIST:
+            out.append(pb.Argument(int_list=pb.IntList(values=v)))
+        elif kind == _ring.ARG_FLOAT_LIST:
+            out.append(pb.Argument(float_list=pb.FloatList(values=v)))
+        else:
+            raise ValueError(f"cache_dit_opd: unknown argument kind {kind}")
+    return out
+
+
 class _GrpcTransport:
-    """Unary ``Call`` per op call; the portable path."""
+    """Unary ``Call`` per op call; the portable path. Always synchronous."""
 
     name = "grpc"
 
@@ -135,23 +196,167 @@ class _GrpcTransport:
         self._session_id = session_id
         self._token = token
 
-    def call(self, op: str, overload: str, args: list, lane: int, seq: int) -> None:
+    def call(self, op: str, overload: str, args: list, lane: int, seq: int, asynchronous: bool = False,
+             regions=None) -> None:
         import grpc
 
-        req = self._pb.CallRequest(
-            session_id=self._session_id, token=self._token, op=op, overload=overload, args=args, lane=lane, seq=seq
-        )
+        req = self._pb.CallRequest(session_id=self._session_id, token=self._token, op=op, overload=overload,
+                                   args=_pb_args(self._pb, args), lane=lane, seq=seq)
         try:
             self._stub.Call(req, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as e:
             code = e.code().name if e.code() is not None else "UNKNOWN"
-            details = e.details() or ""
-            if code in _REJECT_CODES:
-                raise _CallRejected(code, details) from None
-            raise _TransportBroken(code, details) from None
+            raise _status_error(code, e.details() or "") from None
+
+    def ready_errors(self) -> list:
+        return []
 
     def deferred_errors(self) -> list:
         return []  # synchronous: every error is raised at its call site
+
+    def in_flight(self) -> int:
+        return 0
+
+
+class _RingTransport:
+    """Records in the session's shared-memory call ring (``_ring.RingProducer``); gRPC for what it cannot carry.
+
+    ``call`` publishes the record; in synchronous mode it then waits for the
+    completion and raises like ``_GrpcTransport`` (``_CallRejected`` /
+    ``_TransportBroken``). In asynchronous mode it returns at once; rejections
+    come back from ``ready_errors()`` (completions that have arrived, no
+    waiting: the next call) and ``deferred_errors()`` (waits for every record
+    in flight: synchronize and close) as the exceptions the call would have
+    raised, naming the op, lane and seq.
+    """
+
+    name = "ring"
+
+    def __init__(self, producer: "_ring.RingProducer", grpc_transport: _GrpcTransport, catalog, session: "Session"):
+        self.producer = producer
+        self._grpc = grpc_transport
+        self._op_index = {(o.name, o.overload): i for i, o in enumerate(catalog)}
+        self._session = weakref.proxy(session)
+        self.grpc_calls = 0  # calls the ring could not carry
+
+    def call(self, op: str, overload: str, args: list, lane: int, seq: int, asynchronous: bool = False,
+             regions=None) -> None:
+        p = self.producer
+        idx = self._op_index.get((op, overload))
+        body = None
+        if idx is not None:
+            try:
+                body = _ring.encode_args(args)
+            except _ring.RecordDoesNotFit:
+                body = None
+        try:
+            if body is None:
+                # The daemon must see this lane's earlier records before this seq: wait for their completions.
+                self.grpc_calls += 1
+                p.wait_consumed(timeout_s=CALL_TIMEOUT_S)
+                return self._grpc.call(op, overload, args, lane, seq)
+            e = p.publish(lane, seq, idx, body, len(args), op=op, overload=overload, asynchronous=asynchronous,
+                          context=regions, timeout_s=CALL_TIMEOUT_S)
+            if asynchronous:
+                return
+            code, message = p.wait(e, CALL_TIMEOUT_S)
+        except _ring.RingBroken as b:
+            raise _TransportBroken(b.code, b.details) from None
+        if code:
+            raise _status_error(_ring.status_name(code), message)
+
+    def ready_errors(self) -> list:
+        entries = self.producer.poll()
+        return self._session._async_errors(entries) if entries else []
+
+    def deferred_errors(self) -> list:
+        try:
+            self.producer.wait_consumed(timeout_s=CALL_TIMEOUT_S)
+        except _ring.RingBroken:
+            pass  # the session failed: what never completes is reported by the failure handling
+        entries = self.producer.take_rejected()
+        return self._session._async_errors(entries) if entries else []
+
+    def in_flight(self) -> int:
+        return self.producer.in_flight()
+
+    def unanswered_async(self) -> int:
+        """Asynchronous records still without a completion (after the session ended)."""
+        p = self.producer
+        with p._lock:
+            p._harvest_locked()
+            return sum(1 for e in p._entries if e is not None and e.code is None and e.asynchronous)
+
+
+def _ring_wanted(pref: bool | None) -> bool:
+    """Whether to ask for the ring: ``pref`` if given, else CACHE_DIT_OPD_RING (default on); never off x86-64."""
+    if pref is None:
+        pref = os.environ.get("CACHE_DIT_OPD_RING", "1").strip().lower() not in ("0", "false", "off", "no")
+    if pref and not _ring.architecture_supported():
+        global _arch_warned
+        if not _arch_warned:
+            _arch_warned = True
+            log.warning("cache_dit_opd: the shared-memory call ring needs x86-64 (total store order); this machine "
+                        "is %s: calls use gRPC", __import__("platform").machine())
+        return False
+    return pref
+
+
+_arch_warned = False
+
+
+# -- call modes --------------------------------------------------------------------------------
+
+_async_process = False  # set_async_calls()
+_async_local = threading.local()  # async_calls() scopes, per thread
+
+
+def set_async_calls(enabled: bool = True) -> bool:
+    """Makes ring calls of this process asynchronous (True) or synchronous (False); returns the previous setting.
+
+    A thread inside an ``async_calls(...)`` scope follows its scope instead.
+    """
+    global _async_process
+    prev, _async_process = _async_process, bool(enabled)
+    return prev
+
+
+@contextlib.contextmanager
+def async_calls(enabled: bool = True):
+    """Scope in which this thread's ring calls are asynchronous (or, with ``enabled=False``, synchronous).
+
+    Thread-local: other threads keep their own setting. Scopes nest; leaving
+    one restores the setting that was in force when it was entered.
+    """
+    prev = getattr(_async_local, "enabled", None)
+    _async_local.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _async_local.enabled = prev
+
+
+def async_calls_enabled() -> bool:
+    """Whether a call made now by this thread would be asynchronous (when the session uses the ring)."""
+    v = getattr(_async_local, "enabled", None)
+    return _async_process if v is None else v
+
+
+def combine_errors(errors: list) -> Exception:
+    """One exception for several deferred errors (the first one's type)."""
+    if len(errors) == 1:
+        return errors[0]
+    return type(errors[0])(f"{errors[0]}\n(and {len(errors) - 1} more: " + "; ".join(str(e) for e in errors[1:])
+                           + ")")
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _check_int64(v: int) -> int:
+    if not _INT64_MIN <= v <= _INT64_MAX:
+        raise ValueError(f"cache_dit_opd: integer argument {v} does not fit in int64")
+    return v
 
 
 # -- lanes ------------------------------------------------------------------------------
@@ -206,7 +411,7 @@ class Session:
     """A bound session with the daemon serving one device of this process."""
 
     def __init__(self, device_index: int, *, target: str | None = None, uuid: str | None = None, driver=None,
-                 lanes: int | None = None, torch_streams: bool = True):
+                 lanes: int | None = None, torch_streams: bool = True, ring: bool | None = None):
         self.device_index = device_index
         self.pid = os.getpid()
         self.uuid = uuid
@@ -215,6 +420,12 @@ class Session:
         self.retryable = False  # the failure lost the connection before the call ran; running it again is safe
         self._driver = driver
         self._lanes_wanted = lanes or DEFAULT_LANES
+        self._ring_pref = ring  # None: CACHE_DIT_OPD_RING decides
+        self._host = 0
+        self._hb = None  # the header's daemon_heartbeat word
+        self._hb_value = 0
+        self._hb_seen = 0.0
+        self._hb_armed = False
         self._torch_streams = torch_streams
         self._state_lock = threading.Lock()
         self._lanes_lock = threading.Lock()
@@ -270,6 +481,7 @@ class Session:
         if not v.serving:
             self._channel.close()
             raise DaemonUnavailableError(f"daemon at {self.target} is not serving: {v.not_serving_reason or 'no reason given'}")
+        want_ring = _ring_wanted(self._ring_pref)
         try:
             self.reply = self._stub.OpenSession(
                 opd_pb2.OpenSessionRequest(
@@ -278,7 +490,7 @@ class Session:
                     gpu_uuid=self.uuid or "",
                     lanes=self._lanes_wanted,
                     client_name=f"python cache_dit_opd {_version()}",
-                    want_ring=False,
+                    want_ring=want_ring,
                 ),
                 timeout=CONNECT_TIMEOUT_S,
             )
@@ -290,15 +502,30 @@ class Session:
             self._validate_reply(r)
             self.catalog = {(o.name, o.overload): o.schema for o in r.catalog}
             self._bind(r)
+            grpc_transport = _GrpcTransport(self._stub, opd_pb2, r.session_id, bytes(r.token))
+            self.transport = self._ring_transport(r, grpc_transport) if r.ring_enabled and want_ring else grpc_transport
         except BaseException:
             self._abandon()
             raise
-        self.transport = _GrpcTransport(self._stub, opd_pb2, r.session_id, bytes(r.token))
         self.regions = _regions.RegionTable(self._register_region, self._unregister_region, self._driver,
                                             self.device_index)
         self._watcher = threading.Thread(target=self._watch, name=f"cache_dit_opd-watch-{r.session_id}", daemon=True)
         self._watcher.start()
+        _live_sessions.add(self)
+        log.debug("cache_dit_opd: session %d with %s: %d lanes, transport %s", r.session_id, self.target, r.lanes,
+                  self.transport.name)
         return self
+
+    def _ring_transport(self, r, grpc_transport: _GrpcTransport) -> _RingTransport:
+        h = _layout.read_header(self._mm)
+        if not h["ring_offset"] or not h["ring_bytes"]:
+            raise SessionFailedError(f"OpenSession granted the call ring but the session memory holds none "
+                                     f"(ring_offset {h['ring_offset']}, ring_bytes {h['ring_bytes']})")
+        try:
+            producer = _ring.RingProducer(self._host + h["ring_offset"], h["ring_bytes"], liveness=self._liveness)
+        except ValueError as e:
+            raise SessionFailedError(f"daemon at {self.target}: {e}") from None
+        return _RingTransport(producer, grpc_transport, r.catalog, self)
 
     def _validate_reply(self, r) -> None:
         if r.session_id == 0 or len(r.token) != _layout.TOKEN_BYTES:
@@ -386,8 +613,9 @@ class Session:
         lo = h["lanes_offset"]
         if lo < _layout.HEADER_SIZE or lo % _layout.PAGE_BYTES or lo + h["lane_count"] * _layout.LANE_STRIDE > size:
             problems.append(f"lanes_offset {lo} with {h['lane_count']} lanes does not fit {size} bytes")
-        if h["ring_offset"] and h["ring_offset"] + h["ring_bytes"] > size:
-            problems.append(f"ring [{h['ring_offset']}, +{h['ring_bytes']}) does not fit {size} bytes")
+        if h["ring_offset"] and (h["ring_offset"] + h["ring_bytes"] > size or h["ring_offset"] % 64):
+            problems.append(f"ring [{h['ring_offset']}, +{h['ring_bytes']}) does not fit {size} bytes "
+                            f"(or is not 64-byte aligned)")
         if problems:
             raise SessionFailedError("session shared memory header is invalid: " + "; ".join(problems))
         host = ctypes.addressof(ctypes.c_char.from_buffer(mm))
@@ -397,6 +625,10 @@ class Session:
         self._ensure_context()
         drv.mem_host_register(host, size, cd.CU_MEMHOSTREGISTER_PORTABLE | cd.CU_MEMHOSTREGISTER_DEVICEMAP)
         self._host_registered = host
+        self._host = host
+        self._hb = ctypes.c_uint64.from_address(host + _layout.HEADER_FIELDS["daemon_heartbeat"][0])
+        self._hb_value = self._hb.value
+        self._hb_seen = time.monotonic()
         dev = drv.mem_host_get_device_pointer(host)
         self._lanes = [
             _Lane(i, host + lo + i * _layout.LANE_STRIDE, dev + lo + i * _layout.LANE_STRIDE)
@@ -486,8 +718,8 @@ class Session:
             timeout=CONNECT_TIMEOUT_S,
         )
 
-    def _tensor_ref(self, t, pinned: set):
-        pb = self._pb
+    def _tensor_ref(self, t, pinned: set) -> tuple:
+        """(region_id, byte_offset, sizes, strides, dtype) of a CUDA tensor of this session's device."""
         dtype = DTYPE_IDS.get(str(t.dtype).rsplit(".", 1)[-1])
         if dtype is None:
             raise ValueError(f"cache_dit_opd: dtype {t.dtype} cannot be sent to the daemon")
@@ -498,33 +730,34 @@ class Session:
         else:
             nbytes = (sum((s - 1) * st for s, st in zip(sizes, strides)) + 1) * t.element_size()
         region_id, offset = self.regions.ref(ptr, nbytes, pinned)
-        return pb.TensorRef(region_id=region_id, byte_offset=offset, sizes=sizes, strides=strides, dtype=dtype)
+        return region_id, offset, tuple(sizes), tuple(strides), dtype
 
     def _encode(self, args: Sequence[Any], pinned: set) -> list:
+        """Every argument as a transport-neutral ``(kind, value)`` pair (``_ring.ARG_*``), fully validated here,
+        before a sequence number is taken: nothing after this point can fail on an argument's value."""
         import torch
 
-        pb = self._pb
         out = []
         for a in args:
             if isinstance(a, torch.Tensor):
                 if a.device.type != "cuda" or a.device.index != self.device_index:
                     raise ValueError(f"cache_dit_opd: tensor on {a.device} passed to the session of "
                                      f"cuda:{self.device_index}")
-                out.append(pb.Argument(tensor=self._tensor_ref(a, pinned)))
+                out.append((_ring.ARG_TENSOR, self._tensor_ref(a, pinned)))
             elif a is None:
-                out.append(pb.Argument(none=pb.NoneValue()))
+                out.append((_ring.ARG_NONE, None))
             elif isinstance(a, bool):
-                out.append(pb.Argument(bool_value=a))
+                out.append((_ring.ARG_BOOL, a))
             elif isinstance(a, int):
-                out.append(pb.Argument(int_value=a))
+                out.append((_ring.ARG_INT, _check_int64(a)))
             elif isinstance(a, float):
-                out.append(pb.Argument(float_value=a))
+                out.append((_ring.ARG_FLOAT, a))
             elif isinstance(a, (list, tuple)) and all(isinstance(x, bool) for x in a):
-                out.append(pb.Argument(bool_list=pb.BoolList(values=list(a))))
+                out.append((_ring.ARG_BOOL_LIST, tuple(a)))
             elif isinstance(a, (list, tuple)) and all(isinstance(x, int) for x in a):
-                out.append(pb.Argument(int_list=pb.IntList(values=list(a))))
+                out.append((_ring.ARG_INT_LIST, tuple(_check_int64(x) for x in a)))
             elif isinstance(a, (list, tuple)) and all(isinstance(x, (int, float)) for x in a):
-                out.append(pb.Argument(float_list=pb.FloatList(values=[float(x) for x in a])))
+                out.append((_ring.ARG_FLOAT_LIST, tuple(float(x) for x in a)))
             else:
                 raise ValueError(f"cache_dit_opd: argument of type {type(a).__name__} cannot be sent to the daemon")
         return out
@@ -574,18 +807,20 @@ class Session:
         """
         import torch
 
+        asynchronous = async_calls_enabled()
         for attempt in range(2):
             self._raise_if_failed()
+            self._raise_async_errors()
             pinned: set = set()
             try:
-                pb_args = self._encode(args, pinned)
+                call_args = self._encode(args, pinned)
                 self.regions.maybe_sweep()
             except _TransportBroken as e:
                 self._fail(f"RegisterRegion failed: {e}", retryable=self._retryable(e.code, e.details))
                 continue  # raises SessionFailedError above
             stream = torch.cuda.current_stream(self.device_index).cuda_stream if self._torch_streams else 0
             try:
-                self._call_on_lane(op, overload, pb_args, stream)
+                self._call_on_lane(op, overload, call_args, stream, asynchronous, pinned)
                 return
             except _CallRejected as e:
                 if _session_unknown(e.code, e.details):
@@ -621,7 +856,10 @@ class Session:
         """The call did not run on a live daemon that still knows the session: safe to run again."""
         return code in ("UNAVAILABLE", "FAILED_PRECONDITION") or _session_unknown(code, details)
 
-    def _call_on_lane(self, op: str, overload: str, pb_args: list, stream: int) -> None:
+    def _call_on_lane(self, op: str, overload: str, args: list, stream: int, asynchronous: bool = False,
+                      regions=None) -> None:
+        """Under the lane's lock: take seq, enqueue ``inputs_ready := seq``, send or publish the call, and enqueue
+        ``wait done >= seq`` (after the acceptance in synchronous mode, after the publish in asynchronous mode)."""
         drv = self.driver
         lane = self._acquire_lane(stream)
         try:
@@ -630,11 +868,73 @@ class Session:
             seq = lane.issued + 1
             drv.stream_write_value64(stream, lane.inputs_dptr, seq)
             lane.issued = seq
-            self.transport.call(op, overload, pb_args, lane.index, seq)
+            self.transport.call(op, overload, args, lane.index, seq, asynchronous, regions)
             lane.waited = seq
             drv.stream_wait_value64(stream, lane.done_dptr, seq)
         finally:
             lane.lock.release()
+
+    # -- asynchronous errors ------------------------------------------------------------------
+    def _raise_async_errors(self) -> None:
+        """Raises what earlier asynchronous calls of this session were rejected with (completions arrived)."""
+        errs = self.transport.ready_errors()
+        if errs:
+            raise combine_errors(errs)
+
+    def _async_errors(self, entries: list) -> list:
+        """The exceptions for rejected asynchronous ring records: what the call would have raised synchronously."""
+        errs, fail = [], None
+        for e in entries:
+            code, details = _ring.status_name(e.code), e.message
+            label = f"{NAMESPACE}::{e.op}.{e.overload}"
+            where = (f" (asynchronous call on lane {e.lane}, seq {e.seq}, ticket {e.ticket}; its outputs were not "
+                     f"written)")
+            if _session_unknown(code, details) or "expected seq" in details or code not in _REJECT_CODES:
+                fail = fail or f"{label} failed: {code}: {details}"
+                err = SessionFailedError(f"cache_dit_opd: the session with the daemon at {self.target} failed during "
+                                         f"{label}{where}: {code}: {details}")
+            elif code in ("INVALID_ARGUMENT", "OUT_OF_RANGE"):
+                err = ValueError(f"{label} rejected by the daemon: {details}{where}")
+            else:
+                if code == "NOT_FOUND" and e.context and self.regions is not None:
+                    self.regions.forget(e.context)  # evicted by the daemon: the next call registers them again
+                err = RuntimeError(f"{label} failed in the daemon: {code}: {details}{where}")
+            errs.append(err)
+        if fail is not None:
+            self._fail(fail, retryable=True)
+        return errs
+
+    # -- liveness -----------------------------------------------------------------------------
+    def _heartbeat_lost(self) -> str | None:
+        """A reason when the daemon's heartbeat stopped advancing (armed once it has been seen advancing)."""
+        hb = self._hb
+        if hb is None or HEARTBEAT_TIMEOUT_S <= 0:
+            return None
+        v, now = hb.value, time.monotonic()
+        if v != self._hb_value:
+            self._hb_value, self._hb_seen, self._hb_armed = v, now, True
+            return None
+        if self._hb_armed and now - self._hb_seen > HEARTBEAT_TIMEOUT_S:
+            return (f"the daemon's heartbeat has not advanced for {now - self._hb_seen:.1f} s "
+                    f"(daemon pid {getattr(self, 'daemon_pid', '?')} hung or stopped)")
+        return None
+
+    def _liveness(self) -> str | None:
+        """None while the session can still complete calls; else why not (ring waits poll this)."""
+        if self.failed is not None:
+            return self.failed
+        pidfd = self._pidfd
+        if pidfd is not None:
+            try:
+                if select.select([pidfd], [], [], 0)[0]:
+                    return "the daemon process exited"
+            except (OSError, ValueError):
+                pass
+        return self._heartbeat_lost()
+
+    def _work_outstanding(self) -> bool:
+        return any(l.done() < l.waited for l in self._lanes) or (self.transport is not None
+                                                                 and self.transport.in_flight() > 0)
 
     # -- failure --------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -651,6 +951,7 @@ class Session:
             self.retryable = retryable or daemon_dead
         if not self._closing:
             log.warning("%s", self.failed)
+        self._flush_async_errors()
         if daemon_dead:
             self._release_waits()
         elif not self._closing:
@@ -675,16 +976,52 @@ class Session:
             ))
         return lost
 
+    def _flush_async_errors(self, final: bool = False, lost_reported: bool = False) -> None:
+        """Moves the session's asynchronous errors to the process-wide list ``synchronize()`` raises.
+
+        ``final`` (the session has ended): asynchronous records that never got
+        a completion are reported too, unless the lost-calls report covers them.
+        """
+        t = self.transport
+        if not isinstance(t, _RingTransport):
+            return
+        try:
+            for err in t.ready_errors():
+                _report_deferred(err)
+        except Exception:  # pragma: no cover - reporting must never raise here
+            log.exception("cache_dit_opd: collecting asynchronous errors")
+        if final and not lost_reported:
+            n = t.unanswered_async()
+            if n:
+                _report_deferred(SessionFailedError(
+                    f"cache_dit_opd: {n} asynchronous call(s) on the session with the daemon at {self.target} were "
+                    f"never answered before the session ended ({self.failed}); their outputs are undefined."))
+
     def _watch(self) -> None:
-        """Runs until the session channel closes, then makes sure no stream of ours waits forever."""
+        """Runs until the session channel closes, then makes sure no stream of ours waits forever.
+
+        While the channel is open it also watches the daemon's heartbeat: with
+        calls outstanding (a stream waits on a lane's "done", or ring records
+        have no completion yet) and no heartbeat for HEARTBEAT_TIMEOUT_S, the
+        daemon is hung; the session fails, which closes the channel.
+        """
         sock = self._chan_sock
         while True:
             try:
-                data = sock.recv(4096)
-            except OSError:
-                data = b""
-            if not data:
+                readable = select.select([sock], [], [], WATCH_INTERVAL_S)[0]
+            except (OSError, ValueError):
                 break
+            if readable:
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                if not data:
+                    break
+                continue
+            reason = self._heartbeat_lost()  # called every interval: it also arms the check
+            if reason and self.failed is None and self._work_outstanding():
+                self._fail(reason)  # shuts the channel down: the loop ends on the next select
         # The channel closed: the daemon exited, ended the session, or we closed it (after a
         # CloseSession, or on a broken connection). While the daemon process lives it completes
         # the lanes itself (never the host while its calls may still run); once it is gone, or
@@ -695,10 +1032,10 @@ class Session:
             if self._daemon_exited(0.01) or time.monotonic() > deadline:
                 dead = True
                 break
-        if dead:
-            self._release_waits()
+        lost = self._release_waits() if dead else 0
         self._fail("the daemon closed the session channel" + (" (the daemon exited)" if dead else ""),
                    daemon_dead=dead)
+        self._flush_async_errors(final=True, lost_reported=lost > 0)
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -740,12 +1077,19 @@ class Session:
         _retired.append(self)
 
     def close(self) -> None:
-        """Ends the session (CloseSession: the daemon completes every lane, then unmaps the regions)."""
+        """Ends the session (CloseSession: the daemon completes every lane, then unmaps the regions).
+
+        With the ring, first waits for every record in flight; then raises what
+        asynchronous calls were rejected with (after the session is closed).
+        """
         if self.failed is not None:
             return
+        errs = self.transport.deferred_errors() if self.transport is not None else []
         self._closing = True
         self._close_remote()
         self._fail("closed by the client")
+        if errs:
+            raise combine_errors(errs)
 
     def stats(self):
         return self._stub.GetStats(
@@ -763,6 +1107,7 @@ class Session:
 _sessions: dict[int, Session] = {}
 _sessions_lock = threading.Lock()
 _retired: list[Session] = []  # failed or closed sessions whose shared memory stays mapped
+_live_sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()  # every session opened by this process
 _deferred: list[Exception] = []
 _deferred_lock = threading.Lock()
 _atexit_registered = False
@@ -774,12 +1119,18 @@ def _report_deferred(err: Exception) -> None:
 
 
 def take_deferred_errors() -> list[Exception]:
-    with _deferred_lock:
-        errs = list(_deferred)
-        _deferred.clear()
-    for s in list(_sessions.values()):
-        if s.transport is not None:
+    """Every error not raised at its call site yet: lost calls of dead daemons, rejected asynchronous calls.
+
+    Waits for the ring records in flight of every open session of this process first.
+    """
+    errs = []
+    pid = os.getpid()
+    for s in list(_live_sessions):
+        if s.pid == pid and s.failed is None and s.transport is not None:
             errs.extend(s.transport.deferred_errors())
+    with _deferred_lock:
+        errs = list(_deferred) + errs
+        _deferred.clear()
     return errs
 
 
@@ -837,16 +1188,22 @@ def get_session(device=None) -> Session:
         return s
 
 
-def close_all() -> None:
-    """Closes this process's sessions."""
+def close_all(raise_errors: bool = False) -> None:
+    """Closes this process's sessions; errors of asynchronous calls are raised (``raise_errors``) or logged."""
     with _sessions_lock:
         sessions = [s for s in _sessions.values() if s.pid == os.getpid()]
         _sessions.clear()
+    errors = []
     for s in sessions:
         try:
             s.close()
-        except Exception:
-            pass
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        if raise_errors:
+            raise combine_errors(errors)
+        for e in errors:
+            log.warning("cache_dit_opd: closing the sessions: %s", e)
 
 
 def require(family: str, schemas: dict, device=None) -> Session:

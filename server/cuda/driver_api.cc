@@ -2,8 +2,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <mutex>
-
 namespace cache_dit_opd::cuda {
 namespace {
 
@@ -20,7 +18,8 @@ Status Resolve(const char* symbol, unsigned int version, Fn* fn) {
   if (err != cudaSuccess) {
     cudaGetLastError();  // the runtime records it per thread; do not leak it to later checks
     return Status::Unavailable("CUDA driver entry point ", symbol, "@", version, ": ",
-                               RuntimeErrorString(err));
+                               RuntimeErrorString(err),
+                               " (is an NVIDIA driver installed and a GPU visible?)");
   }
   if (query != cudaDriverEntryPointSuccess || p == nullptr) {
     return Status::Unavailable("CUDA driver entry point ", symbol, "@", version, " not found (",
@@ -45,6 +44,8 @@ Loaded LoadAll() {
   if (s.ok()) s = Resolve("cuMemHostUnregister", 4000, &a.mem_host_unregister);
   if (s.ok()) s = Resolve("cuMemHostGetDevicePointer", 3020, &a.mem_host_get_device_pointer);
   if (s.ok()) s = Resolve("cuMemGetAddressRange", 3020, &a.mem_get_address_range);
+  if (s.ok()) s = Resolve("cuIpcGetMemHandle", 4010, &a.ipc_get_mem_handle);
+  if (s.ok()) s = Resolve("cuPointerGetAttributes", 7000, &a.pointer_get_attributes);
   if (s.ok()) s = Resolve("cuGetErrorName", 6000, &a.get_error_name);
   if (s.ok()) s = Resolve("cuGetErrorString", 6000, &a.get_error_string);
   l.status = s;

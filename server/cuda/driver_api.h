@@ -1,16 +1,17 @@
 // File: server/cuda/driver_api.h
 //
-// The CUDA driver entry points the daemon uses, resolved at run time through
-// cudaGetDriverEntryPointByVersion so that no binary links libcuda: on a
-// machine without a driver the daemon still loads, answers GetVersion and
-// reports NOT_SERVING (DESIGN.md section 5).
+// The CUDA driver entry points the daemon and the C++ client use, resolved at
+// run time through cudaGetDriverEntryPointByVersion so that no binary links
+// libcuda: on a machine without a driver the daemon still loads, answers
+// GetVersion and reports NOT_SERVING, and a client program still loads
+// (DESIGN.md section 5). Target opd_cuda_driver.
 //
 // Versions are pinned: the stream memory operations are requested at 12000,
 // which resolves to the _v2 entry points (cuStreamWriteValue64_v2 /
 // cuStreamWaitValue64_v2). The unversioned v1 symbols return
 // CUDA_ERROR_NOT_SUPPORTED on current drivers (measured on the H200 host).
 //
-// Internal to opd_cuda (and GPU tests): includes CUDA headers.
+// Includes CUDA headers, never torch.
 #pragma once
 
 #include <cuda.h>
@@ -29,6 +30,8 @@ struct DriverApi {
   PFN_cuMemHostUnregister_v4000 mem_host_unregister = nullptr;
   PFN_cuMemHostGetDevicePointer_v3020 mem_host_get_device_pointer = nullptr;
   PFN_cuMemGetAddressRange_v3020 mem_get_address_range = nullptr;
+  PFN_cuIpcGetMemHandle_v4010 ipc_get_mem_handle = nullptr;
+  PFN_cuPointerGetAttributes_v7000 pointer_get_attributes = nullptr;
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string = nullptr;
 };

@@ -8,7 +8,13 @@
   channel with a memfd, the shared-memory header and lane semaphores). It runs
   as a separate process (``python _client_fixtures.py fake-daemon ...``) so
   that killing it is real. It completes a call by writing the lane's ``done``
-  from the host, as the daemon's lane stream would.
+  from the host, as the daemon's lane stream would. With ``--ring`` it offers
+  the shared-memory call ring and consumes it with ``RingConsumer``; it
+  increments the header's ``daemon_heartbeat`` every 100 ms.
+* ``RingConsumer``: a stand-in for the daemon's side of the call ring
+  (proto/cache_dit_opd/v1/ring.h) over any mapping: copies each record once,
+  answers it through a handler, writes the completion (``done_ticket`` last),
+  and sleeps on the doorbell futex when idle.
 * ``FakeDriver``: the client's ``_cuda_driver.Driver`` interface without a
   GPU: stream memory operations act on host memory at once; allocations are
   simulated for the region table.
@@ -383,6 +389,116 @@ def _import_protocol_modules():
             importlib.import_module("cache_dit_opd._proto.opd_pb2"))
 
 
+def _ring_module():
+    _import_protocol_modules()
+    import importlib
+
+    return importlib.import_module("cache_dit_opd._ring")
+
+
+class RingConsumer:
+    """The daemon's side of one call ring, in a thread (ring.h protocol).
+
+    ``handler(ticket, record_bytes) -> (status_code, message, lane, seq)`` answers
+    each record (its private copy); a ``status_code`` of None writes no completion
+    (a daemon that never answers). ``pause()`` (optional) stops consuming while it
+    returns True (ring-full tests). ``on_violation(reason)`` is called when the
+    tail is behind the head or more than ``capacity`` ahead; the consumer stops.
+    Idle: spins ``spin_s``, then stores kDoorbellSleeping, re-checks the tail, and
+    FUTEX_WAITs with ``futex_timeout_s``.
+    """
+
+    def __init__(self, addr: int, capacity: int, handler, *, spin_s: float = 200e-6, futex_timeout_s: float = 0.1,
+                 pause=None, on_violation=None, init: bool = True):
+        r = self.ring = _ring_module()
+        self.addr, self.capacity, self.mask = addr, capacity, capacity - 1
+        self.handler = handler
+        self.spin_s, self.futex_timeout_s = spin_s, futex_timeout_s
+        self.pause = pause
+        self.on_violation = on_violation
+        if init:
+            self.init_control(addr, capacity)
+        f = r.CONTROL_FIELDS
+        self.tail = ctypes.c_uint64.from_address(addr + f["sq_tail"][0])
+        self.head_word = ctypes.c_uint64.from_address(addr + f["sq_head"][0])
+        self.doorbell_addr = addr + f["doorbell"][0]
+        self.doorbell = ctypes.c_uint32.from_address(self.doorbell_addr)
+        self.slots = addr + r.RING_CONTROL_BYTES
+        self.comps = self.slots + capacity * r.SLOT_BYTES
+        self.head = self.tail.value
+        self.records = 0
+        self.sleeps = 0  # FUTEX_WAITs entered
+        self.woken = 0  # FUTEX_WAITs ended by a producer's FUTEX_WAKE (doorbell found awake before the timeout)
+        self.violation: str | None = None
+        self._stop = False
+        self.thread: threading.Thread | None = None
+
+    @staticmethod
+    def init_control(addr: int, capacity: int) -> None:
+        r = _ring_module()
+        for name, value in (("version", r.RING_VERSION), ("capacity", capacity), ("slot_bytes", r.SLOT_BYTES),
+                            ("completion_bytes", r.COMPLETION_BYTES)):
+            ctypes.c_uint32.from_address(addr + r.CONTROL_FIELDS[name][0]).value = value
+
+    def start(self) -> "RingConsumer":
+        self.thread = threading.Thread(target=self.run, name="ring-consumer", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop = True
+        self.doorbell.value = self.ring.DOORBELL_AWAKE
+        self.ring.futex_wake(self.doorbell_addr, 1)
+        if self.thread is not None:
+            self.thread.join(10)
+
+    def complete(self, t: int, lane: int, seq: int, code: int, message: str) -> None:
+        r = self.ring
+        a = self.comps + (t & self.mask) * r.COMPLETION_BYTES
+        rec = r.COMPLETION.pack(0, t, seq, lane, code, message.encode()[: r.COMPLETION_MESSAGE_BYTES - 1])
+        ctypes.memmove(a + 8, rec[8:], len(rec) - 8)  # the fields first,
+        ctypes.c_uint64.from_address(a).value = t + 1  # done_ticket last (x86-64: stores stay in order)
+
+    def run(self) -> None:
+        r = self.ring
+        idle_since = time.monotonic()
+        while not self._stop:
+            if self.pause is not None and self.pause():
+                time.sleep(0.001)
+                continue
+            tail = self.tail.value
+            if tail == self.head:
+                if time.monotonic() - idle_since < self.spin_s:
+                    continue
+                self.doorbell.value = r.DOORBELL_SLEEPING
+                r.store_load_fence()  # the doorbell store before the tail re-check (Dekker with the producer)
+                if self.tail.value != self.head or self._stop:
+                    self.doorbell.value = r.DOORBELL_AWAKE
+                    continue
+                self.sleeps += 1
+                t0 = time.monotonic()
+                r.futex_wait(self.doorbell_addr, r.DOORBELL_SLEEPING, self.futex_timeout_s)
+                if time.monotonic() - t0 < self.futex_timeout_s * 0.9 and self.doorbell.value == r.DOORBELL_AWAKE:
+                    self.woken += 1
+                self.doorbell.value = r.DOORBELL_AWAKE
+                continue
+            if tail < self.head or tail - self.head > self.capacity:
+                self.violation = f"sq_tail {tail} with head {self.head} and capacity {self.capacity}"
+                if self.on_violation is not None:
+                    self.on_violation(self.violation)
+                return
+            for t in range(self.head, tail):
+                slot = self.slots + (t & self.mask) * r.SLOT_BYTES
+                copy = ctypes.string_at(slot, r.SLOT_BYTES)  # copied once; only the copy is read
+                self.head = t + 1
+                self.head_word.value = self.head
+                code, message, lane, seq = self.handler(t, copy)
+                self.records += 1
+                if code is not None:
+                    self.complete(t, lane, seq, code, message)
+            idle_since = time.monotonic()
+
+
 def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
     import argparse
     import mmap
@@ -391,6 +507,7 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
     import grpc
 
     _layout, opd_grpc, pb = _import_protocol_modules()
+    _ring = _ring_module()
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
@@ -402,6 +519,13 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
     ap.add_argument("--max-lanes", type=int, default=4)
     ap.add_argument("--not-serving", default="")
     ap.add_argument("--region-limit", type=int, default=1 << 30)
+    ap.add_argument("--ring", action="store_true", help="offer the shared-memory call ring")
+    ap.add_argument("--ring-capacity", type=int, default=_ring.DEFAULT_RING_CAPACITY)
+    ap.add_argument("--ring-spin-us", type=float, default=200)
+    ap.add_argument("--ring-pause-file", default="", help="the ring consumer pauses while this file exists")
+    ap.add_argument("--ring-no-completions", action="store_true", help="consume records, never complete them")
+    ap.add_argument("--record-log", default="", help="append one JSON line per call received (ring and gRPC)")
+    ap.add_argument("--no-heartbeat", action="store_true")
     opts = ap.parse_args(argv)
 
     import json
@@ -433,24 +557,32 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
     def GetVersion(req, ctx):
         return pb.VersionReply(daemon_version="0.0.0-fake", protocol_version=_layout.PROTOCOL_VERSION,
                                gpu_uuid=opts.uuid, gpu_name="fake", serving=not opts.not_serving,
-                               not_serving_reason=opts.not_serving, layout_version=_layout.LAYOUT_VERSION)
+                               not_serving_reason=opts.not_serving, layout_version=_layout.LAYOUT_VERSION,
+                               ring_available=opts.ring)
 
     def OpenSession(req, ctx):
         if req.protocol_version != _layout.PROTOCOL_VERSION:
             ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol {req.protocol_version}")
         if req.gpu_uuid and req.gpu_uuid != opts.uuid:
             ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this daemon serves {opts.uuid}, not {req.gpu_uuid}")
+        log_call({"event": "open", "want_ring": req.want_ring, "lanes": req.lanes})
         lanes = max(1, min(req.lanes or 1, opts.max_lanes))
-        size = (_layout.LANES_OFFSET + lanes * _layout.LANE_STRIDE + 4095) // 4096 * 4096
+        ring_offset = (_layout.LANES_OFFSET + lanes * _layout.LANE_STRIDE + 4095) // 4096 * 4096
+        ring = opts.ring and req.want_ring
+        ring_bytes = (_ring.ring_bytes(opts.ring_capacity) + 4095) // 4096 * 4096 if ring else 0
+        size = ring_offset + ring_bytes
         with lock:
             sid = len(sessions) + 1
             sessions[sid] = {"token": os.urandom(32), "lanes": lanes, "size": size, "mm": None, "addr": 0,
                              "seq": [0] * lanes, "closed": False, "regions": {}, "calls": 0, "errors": 0,
-                             "pid": req.client_pid, "conn": None}
+                             "pid": req.client_pid, "conn": None, "ring_offset": ring_offset if ring else 0,
+                             "ring_bytes": ring_bytes, "consumer": None, "lock": threading.Lock(),
+                             "want_ring": req.want_ring}
         return pb.OpenSessionReply(
             session_id=sid, token=sessions[sid]["token"], session_channel_path=chan_path, lanes=lanes,
             layout_version=_layout.LAYOUT_VERSION, shared_memory_bytes=size, gpu_uuid=opts.uuid,
-            catalog=[pb.OpSchema(name=n, overload=o, schema=s) for n, o, s in catalog], bind_timeout_ms=5000)
+            catalog=[pb.OpSchema(name=n, overload=o, schema=s) for n, o, s in catalog], bind_timeout_ms=5000,
+            ring_enabled=ring)
 
     def CloseSession(req, ctx):
         s = get(ctx, req.session_id, req.token, bound=False)
@@ -458,6 +590,8 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
             complete_all(s)
         s["closed"] = True
         stats["closed"] += 1
+        if s["consumer"] is not None:
+            s["consumer"].stop()
         return pb.CloseSessionReply()
 
     def RegisterRegion(req, ctx):
@@ -476,37 +610,74 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
             ctx.abort(grpc.StatusCode.NOT_FOUND, f"region {req.region_id} not found")
         return pb.UnregisterRegionReply()
 
+    def log_call(entry):
+        if opts.record_log:
+            with lock, open(opts.record_log, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def execute(s, op, lane, seq, region_ids):
+        """One call, whichever transport brought it: (grpc status code name or None, message)."""
+        if lane >= s["lanes"]:
+            return "INVALID_ARGUMENT", f"lane {lane} >= {s['lanes']}"
+        with s["lock"]:
+            if seq != s["seq"][lane] + 1:
+                return "INVALID_ARGUMENT", f"seq {seq}, expected {s['seq'][lane] + 1}"
+            ready_addr = lane_addr(s, lane, _layout.LANE_INPUTS_READY_OFFSET)
+            deadline = time.monotonic() + 10  # a GPU stream writes inputs_ready: wait for it on the host
+            while ctypes.c_uint64.from_address(ready_addr).value < seq and time.monotonic() < deadline:
+                time.sleep(0.0002)
+            ready = ctypes.c_uint64.from_address(ready_addr).value
+            s["seq"][lane] = seq
+            stats["calls"] += 1
+            s["calls"] += 1
+            done = ctypes.c_uint64.from_address(lane_addr(s, lane, _layout.LANE_DONE_OFFSET))
+            if ready < seq:  # the client must have enqueued inputs_ready >= seq before calling
+                s["errors"] += 1
+                done.value = seq
+                return "INVALID_ARGUMENT", f"inputs_ready {ready} < seq {seq}"
+            for rid in region_ids:
+                if rid not in s["regions"]:
+                    s["errors"] += 1
+                    done.value = seq
+                    return "NOT_FOUND", f"region {rid} not found"
+            if op == "reject_me":
+                s["errors"] += 1
+                done.value = seq
+                return "INVALID_ARGUMENT", "rejected: op reject_me, value 42"
+            if not opts.hold:
+                done.value = seq
+            return None, ""
+
     def Call(req, ctx):
         s = get(ctx, req.session_id, req.token)
-        if req.lane >= s["lanes"]:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lane {req.lane} >= {s['lanes']}")
-        if req.seq != s["seq"][req.lane] + 1:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"seq {req.seq}, expected {s['seq'][req.lane] + 1}")
-        ready_addr = lane_addr(s, req.lane, _layout.LANE_INPUTS_READY_OFFSET)
-        deadline = time.monotonic() + 10  # a GPU stream writes inputs_ready: wait for it on the host
-        while ctypes.c_uint64.from_address(ready_addr).value < req.seq and time.monotonic() < deadline:
-            time.sleep(0.0002)
-        ready = ctypes.c_uint64.from_address(ready_addr).value
-        s["seq"][req.lane] = req.seq
-        stats["calls"] += 1
-        s["calls"] += 1
-        done = lane_addr(s, req.lane, _layout.LANE_DONE_OFFSET)
-        if ready < req.seq:  # the client must have enqueued inputs_ready >= seq before calling
-            s["errors"] += 1
-            ctypes.c_uint64.from_address(done).value = req.seq
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"inputs_ready {ready} < seq {req.seq}")
-        for a in req.args:
-            if a.HasField("tensor") and a.tensor.region_id not in s["regions"]:
-                s["errors"] += 1
-                ctypes.c_uint64.from_address(done).value = req.seq
-                ctx.abort(grpc.StatusCode.NOT_FOUND, f"region {a.tensor.region_id} not found")
-        if req.op == "reject_me":
-            s["errors"] += 1
-            ctypes.c_uint64.from_address(done).value = req.seq
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "rejected: op reject_me, value 42")
-        if not opts.hold:
-            ctypes.c_uint64.from_address(done).value = req.seq
+        log_call({"transport": "grpc", "op": req.op, "overload": req.overload, "lane": req.lane, "seq": req.seq,
+                  "nargs": len(req.args)})
+        code, message = execute(s, req.op, req.lane, req.seq,
+                                [a.tensor.region_id for a in req.args if a.HasField("tensor")])
+        if code is not None:
+            ctx.abort(getattr(grpc.StatusCode, code), message)
         return pb.CallReply()
+
+    codes = {name: i for i, name in enumerate(_ring.STATUS_NAMES)}
+
+    def ring_handler(s):
+        def handle(t, copy):
+            try:
+                rec = _ring.decode_record(copy)
+            except _ring.RecordError as e:
+                return codes["INVALID_ARGUMENT"], f"malformed record: {e}", 0, 0
+            if rec["op_index"] >= len(catalog):
+                return codes["INVALID_ARGUMENT"], f"op_index {rec['op_index']}", rec["lane"], rec["seq"]
+            name, overload, _ = catalog[rec["op_index"]]
+            log_call({"transport": "ring", "ticket": t, "op": name, "overload": overload, "lane": rec["lane"],
+                      "seq": rec["seq"], "flags": rec["flags"], "args": rec["args"]})
+            code, message = execute(s, name, rec["lane"], rec["seq"],
+                                    [a["region_id"] for a in rec["args"] if a["kind"] == "tensor"])
+            if opts.ring_no_completions:
+                return None, "", 0, 0
+            return (codes[code] if code else 0), message, rec["lane"], rec["seq"]
+
+        return handle
 
     def GetStats(req, ctx):
         rep = pb.StatsReply(sessions=sum(not s["closed"] for s in sessions.values()), calls=stats["calls"],
@@ -545,9 +716,19 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
                 value = {"magic": 0xDEADBEEF if opts.bad_magic else _layout.SESSION_MEMORY_MAGIC,
                          "layout_version": _layout.LAYOUT_VERSION, "total_bytes": s["size"], "session_id": sid,
                          "lane_count": s["lanes"], "lane_stride": _layout.LANE_STRIDE,
-                         "lanes_offset": _layout.LANES_OFFSET, "ring_offset": 0, "ring_bytes": 0,
-                         "daemon_pid": os.getpid(), "daemon_heartbeat": 1}[name]
+                         "lanes_offset": _layout.LANES_OFFSET, "ring_offset": s["ring_offset"],
+                         "ring_bytes": s["ring_bytes"], "daemon_pid": os.getpid(), "daemon_heartbeat": 1}[name]
                 struct.pack_into(fmt, mm, off, value)
+            if s["ring_offset"]:
+                pause = (lambda: os.path.exists(opts.ring_pause_file)) if opts.ring_pause_file else None
+
+                def violation(reason, conn=conn):
+                    print(f"session {sid}: ring protocol violation: {reason}", flush=True)
+                    conn.shutdown(socket.SHUT_RDWR)
+
+                s["consumer"] = RingConsumer(s["addr"] + s["ring_offset"], opts.ring_capacity, ring_handler(s),
+                                             spin_s=opts.ring_spin_us * 1e-6, pause=pause,
+                                             on_violation=violation).start()
             s["mm"] = mm
             s["conn"] = conn
             socket.send_fds(conn, [_layout.BIND_REPLY.pack(0, _layout.LAYOUT_VERSION, s["size"], b"")], [fd])
@@ -555,8 +736,18 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
             while conn.recv(4096):
                 pass
             s["closed"] = True  # the client closed its channel: the session ends
+            if s["consumer"] is not None:
+                s["consumer"].stop()
         except OSError:
             pass
+
+    def heartbeat_loop():
+        off = _layout.HEADER_FIELDS["daemon_heartbeat"][0]
+        while True:
+            time.sleep(0.1)
+            for s in list(sessions.values()):
+                if s["mm"] is not None and not s["closed"]:
+                    ctypes.c_uint64.from_address(s["addr"] + off).value += 1
 
     def channel_loop():
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -567,6 +758,8 @@ def _serve(argv: list[str]) -> None:  # noqa: C901  (one fake, one function)
             threading.Thread(target=channel_conn, args=(conn,), daemon=True).start()
 
     threading.Thread(target=channel_loop, daemon=True).start()
+    if not opts.no_heartbeat:
+        threading.Thread(target=heartbeat_loop, daemon=True).start()
     while not os.path.exists(chan_path):
         time.sleep(0.005)
     server.add_insecure_port("unix:" + opts.socket)

@@ -25,6 +25,40 @@ TEST(OptionsTest, Defaults) {
   EXPECT_EQ(o.drain_deadline_ms, 5000u);
   EXPECT_FALSE(o.allowed_gid.has_value());
   EXPECT_TRUE(o.load_libraries.empty());
+  EXPECT_TRUE(o.ring);
+  EXPECT_EQ(o.ring_capacity, 64u);
+  EXPECT_EQ(o.ring_spin_us, 50u);
+}
+
+TEST(OptionsTest, RingFlags) {
+  Options o;
+  bool help = false;
+  ASSERT_TRUE(Parse({"--no-ring", "--ring-capacity", "1024", "--ring-spin-us=0"}, &o, &help).ok());
+  EXPECT_FALSE(o.ring);
+  EXPECT_EQ(o.ring_capacity, 1024u);
+  EXPECT_EQ(o.ring_spin_us, 0u);
+  ASSERT_TRUE(Parse({"--no-ring", "--ring", "--ring-capacity=8"}, &o, &help).ok());
+  EXPECT_TRUE(o.ring);  // the last one wins
+  EXPECT_EQ(o.ring_capacity, 8u);
+  struct Case {
+    std::vector<const char*> args;
+    std::string expect;
+  } cases[] = {
+      {{"--ring-capacity", "48"}, "48 is not a power of two"},
+      {{"--ring-capacity", "4"}, "out of range [8, 1024]"},
+      {{"--ring-capacity", "2048"}, "out of range [8, 1024]"},
+      {{"--ring-capacity"}, "needs a value"},
+      {{"--ring-spin-us", "-5"}, "'-5'"},
+      {{"--ring-spin-us", "100001"}, "out of range"},
+      {{"--ring=yes"}, "--ring takes no value"},
+      {{"--no-ring=1"}, "--no-ring takes no value"},
+  };
+  for (const Case& c : cases) {
+    Options fresh;
+    Status s = Parse(c.args, &fresh, &help);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.args[0];
+    EXPECT_NE(s.message().find(c.expect), std::string::npos) << c.args[0] << ": " << s.message();
+  }
 }
 
 TEST(OptionsTest, EveryFlagInBothSpellings) {
@@ -100,7 +134,8 @@ TEST(OptionsTest, HelpDocumentsEveryFlag) {
   const std::string text = OptionsHelp();
   for (const char* flag : {"--device", "--socket", "--runtime-dir", "--log-level", "--max-sessions", "--max-lanes",
                            "--max-regions", "--max-mapped-bytes", "--max-message-bytes", "--drain-deadline-ms",
-                           "--bind-timeout-ms", "--allowed-gid", "--load-library", "--help"}) {
+                           "--bind-timeout-ms", "--allowed-gid", "--load-library", "--ring", "--no-ring",
+                           "--ring-capacity", "--ring-spin-us", "--help"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(text.find(".session.sock"), std::string::npos);
