@@ -410,7 +410,7 @@ class Entry:
 
 # Polling of completions: spin (the daemon answers a call at validation, microseconds after the doorbell),
 # then yield, then sleep with a growing interval; liveness is checked between sleeps.
-SPIN_S = float(os.environ.get("CACHE_DIT_OPD_RING_SPIN_US", "100")) * 1e-6
+SPIN_S = float(os.environ.get("CACHE_DIT_OPD_RING_SPIN_US", "200")) * 1e-6
 _PURE_SPIN_S = 20e-6
 _SLEEP_MIN_S = 20e-6
 _SLEEP_MAX_S = 1e-3
@@ -457,9 +457,11 @@ class RingProducer:
         self._head = ctypes.c_uint64.from_address(addr + CONTROL_FIELDS["sq_head"][0])
         self.doorbell_addr = addr + CONTROL_FIELDS["doorbell"][0]
         self._doorbell = ctypes.c_uint32.from_address(self.doorbell_addr)
-        self._slots = addr + RING_CONTROL_BYTES
+        self._slots = RING_CONTROL_BYTES  # offsets in self._view
         self._comps = self._slots + capacity * SLOT_BYTES
-        self._done = [ctypes.c_uint64.from_address(self._comps + i * COMPLETION_BYTES) for i in range(capacity)]
+        # one view over the whole ring: records are written and completions read without a ctypes call
+        self._view = memoryview((ctypes.c_char * ring_bytes(capacity)).from_address(addr)).cast("B")
+        self._done = [ctypes.c_uint64.from_address(addr + self._comps + i * COMPLETION_BYTES) for i in range(capacity)]
         self._liveness = liveness or (lambda: None)
         self._lock = threading.Lock()
         self._entries: list[Entry | None] = [None] * capacity
@@ -494,10 +496,13 @@ class RingProducer:
             slot = t & self._mask
             e = Entry(t, lane, seq, op, overload, asynchronous, context)
             self._entries[slot] = e
-            rec = RECORD_HEADER.pack(RECORD_MAGIC, nbytes, t, seq, lane, op_index, nargs, flags) + body
-            ctypes.memmove(self._slots + slot * SLOT_BYTES, rec, nbytes)
+            off = self._slots + slot * SLOT_BYTES
+            RECORD_HEADER.pack_into(self._view, off, RECORD_MAGIC, nbytes, t, seq, lane, op_index, nargs, flags)
+            self._view[off + RECORD_HEADER_BYTES:off + nbytes] = body
             self._next = t + 1
-            self._tail.value = t + 1  # x86-64: ordered after the record's stores (TSO)
+            # One aligned 8-byte store (ctypes writes a c_uint64 with one mov), ordered after the record's
+            # stores by x86-64 TSO: the release ring.h asks for.
+            self._tail.value = t + 1
         store_load_fence()  # the tail store before the doorbell load (see the module docstring)
         if self._doorbell.value == DOORBELL_SLEEPING:
             self._doorbell.value = DOORBELL_AWAKE
@@ -515,8 +520,7 @@ class RingProducer:
 
     # -- completions -----------------------------------------------------------------------------
     def _read_locked(self, e: Entry, slot: int) -> None:
-        _done, ticket, seq, lane, code, msg = COMPLETION.unpack_from(
-            (ctypes.c_char * COMPLETION_BYTES).from_address(self._comps + slot * COMPLETION_BYTES))
+        _done, ticket, seq, lane, code, msg = COMPLETION.unpack_from(self._view, self._comps + slot * COMPLETION_BYTES)
         if ticket != e.ticket or (code == 0 and (lane != e.lane or seq != e.seq)):
             code, msg = 13, (f"completion of ticket {e.ticket} (lane {e.lane}, seq {e.seq}) echoes ticket {ticket} "
                              f"(lane {lane}, seq {seq})").encode()

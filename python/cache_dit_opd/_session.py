@@ -253,6 +253,8 @@ class _RingTransport:
             if body is None:
                 # The daemon must see this lane's earlier records before this seq: wait for their completions.
                 self.grpc_calls += 1
+                log.debug("cache_dit_opd: %s.%s goes over gRPC (%s)", op, overload,
+                          "not in the catalog" if idx is None else "does not fit a ring record")
                 p.wait_consumed(timeout_s=CALL_TIMEOUT_S)
                 return self._grpc.call(op, overload, args, lane, seq)
             e = p.publish(lane, seq, idx, body, len(args), op=op, overload=overload, asynchronous=asynchronous,

@@ -272,8 +272,14 @@ def test_doorbell_futex_wakes_a_sleeping_consumer(rings):
     assert _wait_for(lambda: r.consumer.sleeps >= 1 and r.consumer.doorbell.value == R.DOORBELL_SLEEPING)
     # the idle consumer sleeps in the kernel (FUTEX_WAIT), burning no CPU
     tid = r.consumer.thread.native_id
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        assert f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+    def state():
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    assert _wait_for(lambda: state() == "S")
+    time.sleep(0.05)
+    assert state() == "S" and r.consumer.sleeps == 1  # still asleep: no spinning, no timeouts
     t0 = time.monotonic()
     e = r.publish(seq=1)
     assert r.producer.wait(e, timeout_s=10) == (0, "")

@@ -68,6 +68,8 @@ class Daemon:
         os.unlink(self.pause_file)
 
     def close(self):
+        if os.path.exists(self.pause_file):
+            self.resume()
         for s in self.sessions:
             try:
                 s.close()
@@ -475,10 +477,10 @@ def test_daemon_killed_with_async_records_in_flight(daemons):
     with cache_dit_opd.async_calls():
         for stream in (1, 1, 1, 2):
             s._call_on_lane("op", "out", [], stream, True)
-    d.pause()  # the next records are never read
+    assert _wait_for(lambda: len(d.calls()) == 4)
+    d.pause()  # the next record is never read
     with cache_dit_opd.async_calls():
         s._call_on_lane("op", "out", [], 1, True)
-    assert _wait_for(lambda: len(d.calls()) == 4)
     assert not s.driver.waits_satisfied()
     d.fake.kill()
     assert _wait_for(lambda: s.failed is not None)
