@@ -145,9 +145,6 @@ def status_name(code: int) -> str:
 #   (ARG_TENSOR, (region_id, byte_offset, sizes, strides, dtype)), (ARG_INT, int), (ARG_FLOAT, float),
 #   (ARG_BOOL, bool), (ARG_INT_LIST, ints), (ARG_FLOAT_LIST, floats), (ARG_BOOL_LIST, bools), (ARG_NONE, None).
 
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-_U64_MAX = (1 << 64) - 1
-_TENSOR_HEAD = struct.Struct("<IIQQii")
 _TENSOR = [struct.Struct(f"<IIQQii{n}q{n}q") for n in range(MAX_TENSOR_DIMS + 1)]
 _INT = struct.Struct("<IIq")
 _FLOAT = struct.Struct("<IId")

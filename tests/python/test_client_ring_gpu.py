@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 import cache_dit_opd  # noqa: E402
-from cache_dit_opd import _ring, _session, kernels  # noqa: E402
+from cache_dit_opd import _session, kernels  # noqa: E402
 from test_client_gpu import _baseline, _lines, _outputs_bytes, gpu_cases  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
