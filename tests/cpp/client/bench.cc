@@ -32,6 +32,7 @@
 
 #include "client/discovery.h"
 #include "client/opd_client.h"
+#include "tests/cpp/client/support/latency.h"
 #include "tests/cpp/client/support/op_cases.h"
 #include "tests/cpp/client/support/test_support.h"
 
@@ -41,32 +42,6 @@ using namespace cache_dit_opd::testing;
 
 namespace {
 
-struct Summary {
-  double p50 = 0, p99 = 0, mean = 0, min = 0, max = 0;
-};
-
-Summary Summarize(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  Summary s;
-  if (v.empty()) return s;
-  auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))]; };
-  s.p50 = at(0.5);
-  s.p99 = at(0.99);
-  s.min = v.front();
-  s.max = v.back();
-  double sum = 0;
-  for (double x : v) sum += x;
-  s.mean = sum / v.size();
-  return s;
-}
-
-std::string Json(const Summary& s) {
-  std::ostringstream os;
-  os.precision(3);
-  os << std::fixed << "{\"p50\": " << s.p50 << ", \"p99\": " << s.p99 << ", \"mean\": " << s.mean
-     << ", \"min\": " << s.min << ", \"max\": " << s.max << "}";
-  return os.str();
-}
 
 std::string Quote(const std::string& s) {
   std::string o = "\"";
@@ -82,7 +57,7 @@ std::string Quote(const std::string& s) {
 }
 
 // Extracts {"p50": x, "p99": y, ...} after `key` in a flat JSON line.
-bool ParseSummary(const std::string& json, const std::string& key, Summary* s) {
+bool ParseSummary(const std::string& json, const std::string& key, LatencySummary* s) {
   auto k = json.find("\"" + key + "\"");
   if (k == std::string::npos) return false;
   auto grab = [&](const char* f, double* v) {
@@ -151,7 +126,7 @@ int main(int argc, char** argv) {
 
   // In-process reference first (its own process; the GPU is otherwise idle).
   std::string ref_tool = f["ref-tool"] == "auto" ? FindRefTool() : (f["ref-tool"] == "none" ? "" : f["ref-tool"]);
-  Summary in_host, in_sync;
+  LatencySummary in_host, in_sync;
   std::string in_error;
   if (ref_tool.empty()) {
     in_error = f["ref-tool"] == "none" ? "skipped (--ref-tool none)" : "opd_ref_tool not built";
@@ -239,7 +214,7 @@ int main(int argc, char** argv) {
 
   cache_dit_opd::v1::VersionReply version;
   (void)client->GetVersion(&version);
-  const Summary r_host = Summarize(host), r_sync = Summarize(sync), r_full = Summarize(full);
+  const LatencySummary r_host = Summarize(host), r_sync = Summarize(sync), r_full = Summarize(full);
   std::ostringstream out;
   out.precision(3);
   out << std::fixed;

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "tests/cpp/client/support/call_file.h"
+#include "tests/cpp/client/support/latency.h"
 #include "tests/cpp/client/support/op_cases.h"
 
 using namespace cache_dit_opd;
@@ -167,32 +168,6 @@ int Run(std::map<std::string, std::string>& f) {
   return 0;
 }
 
-struct Percentiles {
-  double p50 = 0, p99 = 0, mean = 0, min = 0, max = 0;
-};
-
-Percentiles Summarize(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  Percentiles p;
-  if (v.empty()) return p;
-  auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))]; };
-  p.p50 = at(0.50);
-  p.p99 = at(0.99);
-  p.min = v.front();
-  p.max = v.back();
-  double sum = 0;
-  for (double x : v) sum += x;
-  p.mean = sum / v.size();
-  return p;
-}
-
-std::string Json(const Percentiles& p) {
-  std::ostringstream os;
-  os.precision(3);
-  os << std::fixed << "{\"p50\": " << p.p50 << ", \"p99\": " << p.p99 << ", \"mean\": " << p.mean
-     << ", \"min\": " << p.min << ", \"max\": " << p.max << "}";
-  return os.str();
-}
 
 std::vector<int64_t> ParseShape(const std::string& s) {
   std::vector<int64_t> v;
