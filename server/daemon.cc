@@ -21,7 +21,9 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
   not_serving_reason_ = std::move(not_serving_reason);
 
   reaper_ = std::make_unique<Reaper>();
-  executor_ = std::make_unique<Executor>(deps_.device_ops, deps_.runner, &stats_, ExecutorOptions{},
+  ExecutorOptions executor_options;
+  executor_options.spin = std::chrono::microseconds(options_.spin_us);
+  executor_ = std::make_unique<Executor>(deps_.device_ops, deps_.runner, &stats_, executor_options,
                                          [this](const Status& s) { OnFatal(s); });
   SessionLimits limits;
   limits.max_sessions = options_.max_sessions;
@@ -209,6 +211,15 @@ Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapsh
   out->errors = stats_.errors.load();
   out->sessions_closed = stats_.sessions_closed.load();
   stats_.call_latency_us.Percentiles(&out->call_p50_us, &out->call_p99_us);
+  for (const auto& [name, reservoir] : {std::pair<const char*, const LatencyReservoir*>{"accept", &stats_.accept_us},
+                                        {"inputs_wait", &stats_.inputs_wait_us},
+                                        {"run", &stats_.run_us}}) {
+    StatsSnapshot::Stage stage{name};
+    stage.count = reservoir->recorded();
+    if (stage.count == 0) continue;
+    reservoir->Percentiles(&stage.p50_us, &stage.p99_us);
+    out->stages.push_back(std::move(stage));
+  }
   for (const auto& s : all) {
     RegionCounts c = s->regions().counts();
     out->regions += c.regions;
@@ -246,7 +257,7 @@ void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
     }
   };
   RingConsumerOptions ro;
-  ro.spin = std::chrono::microseconds(options_.ring_spin_us);
+  ro.spin = std::chrono::microseconds(options_.spin_us);
   std::lock_guard<std::mutex> lock(rings_mu_);
   // A racing End has set kClosed before its OnSessionEnd takes rings_mu_: if
   // we see kBound here, that OnSessionEnd will find and stop this consumer.
@@ -255,7 +266,7 @@ void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
   consumer->Start();
   rings_[id] = std::move(consumer);
   spdlog::info("session {}: call ring of {} slots served (spin {} us)", id, session->memory().ring_capacity(),
-               options_.ring_spin_us);
+               options_.spin_us);
 }
 
 void Daemon::StopRings() {

@@ -108,6 +108,13 @@ struct StatsSnapshot {
   double call_p99_us = 0;
   uint64_t sessions_closed = 0;
   std::vector<SessionStatsEntry> sessions_detail;
+  struct Stage {
+    std::string name;
+    double p50_us = 0;
+    double p99_us = 0;
+    uint64_t count = 0;
+  };
+  std::vector<Stage> stages;  // empty before the first call
 };
 
 class Daemon {

@@ -32,16 +32,19 @@
 // A failure after acceptance can only be a CUDA error: it is logged and
 // counted; a sticky one fails every session through the fatal hook.
 //
-// Polling: while some queued call waits for inputs_ready, the thread spins
-// for `spin` after its last progress, then sleeps with exponential backoff up
-// to `max_backoff`; with nothing queued it sleeps on a condition variable
-// (no CPU burn when idle). New submissions wake it at once.
+// Polling: the thread spins for `spin` after its last progress (a wake-up
+// of a sleeping thread costs tens of microseconds, more than a call). Then,
+// while some queued call waits for inputs_ready, it sleeps with exponential
+// backoff up to `max_backoff` (timer slack 1 us, so a short sleep is
+// short); with nothing queued it sleeps on a condition variable (no CPU
+// burn when idle). New submissions wake it at once.
 //
 // A sticky CUDA error completes the call with UNAVAILABLE, rejects every
 // later one, and calls the fatal hook once (the daemon then fails every
 // session and exits non-zero).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -63,7 +66,9 @@
 namespace cache_dit_opd {
 
 struct ExecutorOptions {
-  std::chrono::microseconds spin{50};          // busy-poll window after progress
+  // Busy-poll window after progress, with or without queued calls: a call
+  // that arrives within it is picked up without a thread wake-up.
+  std::chrono::microseconds spin{50};
   std::chrono::microseconds max_backoff{1000};  // longest sleep while calls wait
   int max_calls_per_lane_turn = 16;             // fairness between lanes
 };
@@ -127,6 +132,7 @@ class Executor {
     CallRequest req;
     Completion done;
     std::chrono::steady_clock::time_point received;
+    std::chrono::steady_clock::time_point answered_at;
     std::unique_ptr<PreparedCall> prepared;
     Status verdict;        // validation outcome; a rejected call only writes "done"
     bool answered = false;  // `done` has run
@@ -171,6 +177,9 @@ class Executor {
   bool fatal_ = false;              // guarded by mu_
   Status fatal_status_;             // guarded by mu_
   size_t pending_ = 0;              // guarded by mu_: intake + queued
+  // Set with intake_/commands_/stop_ (under mu_): lets the spinning thread
+  // look for news without taking the lock.
+  std::atomic<bool> news_{false};
 
   std::map<Lane*, LaneQueue> queues_;  // executor thread only
   std::thread thread_;

@@ -132,7 +132,7 @@ int Run(int argc, char** argv) {
   }
   daemon.SetHealthListener([&server](bool serving) { server.SetServing(serving); });
   if (opts.ring) {
-    spdlog::info("call ring offered: {} slots per session, spin {} us", opts.ring_capacity, opts.ring_spin_us);
+    spdlog::info("call ring offered: {} slots per session, spin {} us", opts.ring_capacity, opts.spin_us);
   } else {
     spdlog::info("call ring not offered (--no-ring): sessions use gRPC Call");
   }

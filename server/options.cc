@@ -168,9 +168,9 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
       if ((opts->ring_capacity & (opts->ring_capacity - 1)) != 0) {
         return Status::InvalidArgument(flag, ": ", opts->ring_capacity, " is not a power of two");
       }
-    } else if (flag == "--ring-spin-us") {
+    } else if (flag == "--spin-us") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 100000, &opts->ring_spin_us));
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 100000, &opts->spin_us));
     } else if (flag == "--load-library") {
       OPD_RETURN_IF_ERROR(next());
       if (value.empty()) return Status::InvalidArgument("--load-library: empty path");
@@ -188,7 +188,7 @@ std::string OptionsUsage() {
          "                     [--max-mapped-bytes SIZE] [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
-         "                     [--ring-spin-us US] ; see --help\n";
+         "                     [--spin-us US] ; see --help\n";
 }
 
 std::string OptionsHelp() {
@@ -228,9 +228,11 @@ std::string OptionsHelp() {
          "                           keeps working either way.\n"
          "  --ring-capacity N        Slots of each session's call ring, a power of two in\n"
          "                           [8, 1024] (default 64; about 2.3 KiB of shared memory each).\n"
-         "  --ring-spin-us US        After a ring's last record, busy-poll it this long before\n"
-         "                           sleeping on its futex doorbell (default 50; 0 sleeps at once).\n"
-         "                           One thread per ring session; an idle ring uses no CPU.\n"
+         "  --spin-us US              After the last call, busy-poll this long before sleeping:\n"
+         "                           each session's ring thread (then on its futex doorbell) and\n"
+         "                           the executor (then on a condition variable). Default 200;\n"
+         "                           0 sleeps at once. Waking a sleeping thread costs tens of\n"
+         "                           microseconds per call; an idle daemon uses no CPU.\n"
          "  -h, --help               Print this help and exit.\n"
          "\n"
          "Sockets are created mode 0660. A stale socket (nobody accepts on it) is replaced; a live\n"

@@ -38,7 +38,7 @@ struct Options {
   std::vector<std::string> load_libraries;  // --load-library (repeatable): extra op libraries
   bool ring = true;                      // --ring / --no-ring: offer the shared-memory call ring
   uint32_t ring_capacity = v1::kDefaultRingCapacity;  // --ring-capacity: slots per ring, power of two 8..1024
-  uint32_t ring_spin_us = 50;            // --ring-spin-us: busy-poll window after a ring's last record
+  uint32_t spin_us = 200;                // --spin-us: busy-poll window after the last call (rings, executor)
 };
 
 // ParseOptions

@@ -151,6 +151,13 @@ void ToProto(const StatsSnapshot& in, v1::StatsReply* out) {
     s->set_mapped_bytes(e.regions.mapped_bytes);
     s->set_pending_unmaps(e.regions.pending_unmaps);
   }
+  for (const StatsSnapshot::Stage& st : in.stages) {
+    v1::StageLatency* s = out->add_stages();
+    s->set_name(st.name);
+    s->set_p50_us(st.p50_us);
+    s->set_p99_us(st.p99_us);
+    s->set_count(st.count);
+  }
 }
 
 }  // namespace cache_dit_opd

@@ -62,7 +62,7 @@
 namespace cache_dit_opd {
 
 struct RingConsumerOptions {
-  std::chrono::microseconds spin{50};               // --ring-spin-us
+  std::chrono::microseconds spin{200};              // --spin-us
   std::chrono::milliseconds sleep_timeout{100};     // longest futex wait
   // Tests only: runs on the consumer thread right after record `ticket` was
   // copied out of its slot, before the copy is decoded.

@@ -35,6 +35,11 @@ struct DaemonStats {
   std::atomic<uint64_t> errors{0};           // calls rejected since start
   std::atomic<uint64_t> sessions_closed{0};  // sessions ended: closed, dead or dropped
   LatencyReservoir call_latency_us;          // receive -> completion, microseconds
+  // Stages of a call (StageLatency in opd.proto): receive -> answered,
+  // answered -> run start, run start -> "done" enqueued.
+  LatencyReservoir accept_us;
+  LatencyReservoir inputs_wait_us;
+  LatencyReservoir run_us;
 };
 
 }  // namespace cache_dit_opd

@@ -54,10 +54,6 @@ class CudaDriverError(RuntimeError):
         self.code = code
 
 
-class _u64x3(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_uint64), ("size", ctypes.c_uint64), ("buffer_id", ctypes.c_uint64)]
-
-
 class Driver:
     """Typed wrappers over libcuda entry points. Create through ``get_driver()``."""
 
@@ -149,16 +145,17 @@ class Driver:
         CUDA allocation covers the driver reports zeros, returned as is.
         """
         tls = self._tls
-        out = getattr(tls, "out", None)
-        if out is None:
-            out = tls.out = _u64x3()
-            base = ctypes.addressof(out)
+        view = getattr(tls, "view", None)
+        if view is None:  # per thread: three u64 results, zeroed and read through a memoryview (no ctypes fields)
+            buf = tls.buf = (ctypes.c_uint64 * 3)()
+            base = ctypes.addressof(buf)
             tls.data = (ctypes.c_void_p * 3)(base, base + 8, base + 16)
-        out.base = out.size = out.buffer_id = 0
+            view = tls.view = memoryview(buf).cast("B").cast("Q")
+        view[0] = view[1] = view[2] = 0
         rc = self._cuPointerGetAttributes(3, self._range_attrs, tls.data, ptr)
         if rc != CUDA_SUCCESS:
             raise CudaDriverError(f"cuPointerGetAttributes(0x{ptr:x})", rc, self._error_name(rc))
-        return out.base, out.size, out.buffer_id
+        return view[0], view[1], view[2]
 
     def legacy_ipc_capable(self, ptr: int) -> bool:
         """CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: False for VMM (cuMemCreate) memory."""

@@ -138,18 +138,18 @@ def check_not_capturing(op: str, device_index: int) -> None:
 
 def device_index(op: str, *tensors) -> int:
     """The common CUDA device of ``tensors``; ValueError naming the devices otherwise."""
+    idx = tensors[0].get_device()  # an int, without building a torch.device per tensor
+    if idx >= 0 and all(t.is_cuda and t.get_device() == idx for t in tensors):
+        return idx
     devs = {t.device for t in tensors}
     if len(devs) != 1:
         raise ValueError(f"{op}: all tensors must be on one CUDA device, got {sorted(str(d) for d in devs)}")
-    d = next(iter(devs))
-    if d.type != "cuda":
-        raise ValueError(f"{op}: tensors must be on a CUDA device, got {d}")
-    return d.index if d.index is not None else torch.cuda.current_device()
+    raise ValueError(f"{op}: tensors must be on a CUDA device, got {next(iter(devs))}")
 
 
 def check_out(op: str, name: str, t, shape, dtype, device) -> None:
     """An ``out=`` tensor of a .out overload: exact shape, dtype, device; contiguous."""
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:  # torch.Size equals a tuple of the same ints
         raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{op}: {name} must have dtype {dtype}, got {t.dtype}")

@@ -113,6 +113,7 @@ RECORD_FIELDS = {
 RECORD_RESERVED_OFFSET = 40
 # struct CompletionRecord { u64 done_ticket; u64 ticket; u64 seq; u32 lane; i32 status_code; char message[224]; }
 COMPLETION = struct.Struct("<QQQIi224s")
+_COMPLETION_HEAD = struct.Struct("<QQQIi")  # COMPLETION without its message
 COMPLETION_FIELDS = {
     "done_ticket": (0, "<Q"),
     "ticket": (8, "<Q"),
@@ -517,10 +518,15 @@ class RingProducer:
 
     # -- completions -----------------------------------------------------------------------------
     def _read_locked(self, e: Entry, slot: int) -> None:
-        _done, ticket, seq, lane, code, msg = COMPLETION.unpack_from(self._view, self._comps + slot * COMPLETION_BYTES)
+        off = self._comps + slot * COMPLETION_BYTES
+        _done, ticket, seq, lane, code = _COMPLETION_HEAD.unpack_from(self._view, off)
         if ticket != e.ticket or (code == 0 and (lane != e.lane or seq != e.seq)):
             code, msg = 13, (f"completion of ticket {e.ticket} (lane {e.lane}, seq {e.seq}) echoes ticket {ticket} "
                              f"(lane {lane}, seq {seq})").encode()
+        elif code:
+            msg = bytes(self._view[off + _COMPLETION_HEAD.size:off + COMPLETION_BYTES])
+        else:
+            msg = b""  # the common case: no message to decode
         e.code = code
         e.message = msg.split(b"\0", 1)[0].decode("utf-8", "replace")
         if e.asynchronous and code != 0:

@@ -91,6 +91,16 @@ DTYPE_IDS = {
     "bool": 10,
     "float8_e5m2": 11,
 }
+_dtype_ids: dict = {}  # torch.dtype -> wire DType, filled on first use (the hot path skips the name lookup)
+
+
+def _dtype_id(dtype) -> int | None:
+    i = _dtype_ids.get(dtype)
+    if i is None:
+        i = DTYPE_IDS.get(str(dtype).rsplit(".", 1)[-1])
+        if i is not None:
+            _dtype_ids[dtype] = i
+    return i
 
 
 class DaemonUnavailableError(RuntimeError):
@@ -722,17 +732,18 @@ class Session:
 
     def _tensor_ref(self, t, pinned: set) -> tuple:
         """(region_id, byte_offset, sizes, strides, dtype) of a CUDA tensor of this session's device."""
-        dtype = DTYPE_IDS.get(str(t.dtype).rsplit(".", 1)[-1])
+        dtype = _dtype_id(t.dtype)
         if dtype is None:
             raise ValueError(f"cache_dit_opd: dtype {t.dtype} cannot be sent to the daemon")
-        sizes, strides = list(t.shape), list(t.stride())
-        ptr = t.data_ptr()
-        if t.numel() == 0:
+        sizes, strides = t.shape, t.stride()
+        if t.is_contiguous():
+            nbytes = t.nbytes
+        elif t.numel() == 0:
             nbytes = 0
-        else:
+        else:  # the span from the first to the last element the view covers
             nbytes = (sum((s - 1) * st for s, st in zip(sizes, strides)) + 1) * t.element_size()
-        region_id, offset = self.regions.ref(ptr, nbytes, pinned)
-        return region_id, offset, tuple(sizes), tuple(strides), dtype
+        region_id, offset = self.regions.ref(t.data_ptr(), nbytes, pinned)
+        return region_id, offset, tuple(sizes), strides, dtype
 
     def _encode(self, args: Sequence[Any], pinned: set) -> list:
         """Every argument as a transport-neutral ``(kind, value)`` pair (``_ring.ARG_*``), fully validated here,
@@ -740,9 +751,10 @@ class Session:
         import torch
 
         out = []
+        tensor = torch.Tensor
         for a in args:
-            if isinstance(a, torch.Tensor):
-                if a.device.type != "cuda" or a.device.index != self.device_index:
+            if isinstance(a, tensor):
+                if not a.is_cuda or a.get_device() != self.device_index:
                     raise ValueError(f"cache_dit_opd: tensor on {a.device} passed to the session of "
                                      f"cuda:{self.device_index}")
                 out.append((_ring.ARG_TENSOR, self._tensor_ref(a, pinned)))
@@ -820,7 +832,8 @@ class Session:
             except _TransportBroken as e:
                 self._fail(f"RegisterRegion failed: {e}", retryable=self._retryable(e.code, e.details))
                 continue  # raises SessionFailedError above
-            stream = torch.cuda.current_stream(self.device_index).cuda_stream if self._torch_streams else 0
+            # The raw cudaStream_t, without building a torch.cuda.Stream per call.
+            stream = torch._C._cuda_getCurrentRawStream(self.device_index) if self._torch_streams else 0
             try:
                 self._call_on_lane(op, overload, call_args, stream, asynchronous, pinned)
                 return
@@ -1141,9 +1154,9 @@ def _device_index(device) -> int:
 
     if device is None:
         return torch.cuda.current_device()
-    d = torch.device(device) if not isinstance(device, torch.device) else device
     if isinstance(device, int):
         return device
+    d = torch.device(device) if not isinstance(device, torch.device) else device
     if d.type != "cuda":
         raise ValueError(f"cache_dit_opd: the daemon serves CUDA devices, got {d}")
     return d.index if d.index is not None else torch.cuda.current_device()
@@ -1210,6 +1223,10 @@ def close_all(raise_errors: bool = False) -> None:
 
 def require(family: str, schemas: dict, device=None) -> Session:
     """The session for ``device`` with the ``schemas`` checked; RuntimeError naming the start command otherwise."""
+    if type(device) is int:  # the per-call path: a live session of this process whose catalog was checked
+        s = _sessions.get(device)
+        if s is not None and s.failed is None and s.pid == os.getpid() and s._checked.get(id(schemas), 0) is None:
+            return s
     import torch
 
     if not torch.cuda.is_available():
@@ -1256,7 +1273,7 @@ def current_stream_is_capturing(device_index: int) -> bool:
     import torch
 
     if torch.cuda.current_device() == device_index:
-        return torch.cuda.is_current_stream_capturing()
+        return torch._C._cuda_isCurrentStreamCapturing()
     with torch.cuda.device(device_index):
         return torch.cuda.is_current_stream_capturing()
 

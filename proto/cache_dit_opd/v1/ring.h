@@ -43,7 +43,7 @@
 // kinds, op index) fails that call: if its lane and seq are the lane's next,
 // the seq is still completed in order ("done" written by the lane stream).
 //
-// Waking: the daemon spins on sq_tail for --ring-spin-us after its last
+// Waking: the daemon spins on sq_tail for --spin-us after its last
 // record, then stores doorbell = kDoorbellSleeping, re-checks sq_tail (so a
 // record published in between is not missed) and FUTEX_WAITs on the doorbell
 // with a timeout. An idle daemon uses no CPU.

@@ -278,6 +278,16 @@ TEST_F(DaemonServiceTest, SessionRegionCallStatsClose) {
     EXPECT_EQ(stats.regions(), 1u);
     EXPECT_EQ(stats.mapped_bytes(), 1u << 20);
     EXPECT_GT(stats.call_p50_us(), 0.0);
+    // One call ran (its three stages timed once); the one rejected at
+    // validation was accepted, never run.
+    ASSERT_EQ(stats.stages_size(), 3);
+    EXPECT_EQ(stats.stages(0).name(), "accept");
+    EXPECT_EQ(stats.stages(0).count(), 2u);
+    EXPECT_EQ(stats.stages(1).name(), "inputs_wait");
+    EXPECT_EQ(stats.stages(1).count(), 1u);
+    EXPECT_EQ(stats.stages(2).name(), "run");
+    EXPECT_EQ(stats.stages(2).count(), 1u);
+    for (const auto& stage : stats.stages()) EXPECT_LE(stage.p50_us(), stage.p99_us()) << stage.name();
   }
   sreq.set_session_id(b.id);
   sreq.set_token(b.token);

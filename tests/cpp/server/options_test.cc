@@ -27,16 +27,16 @@ TEST(OptionsTest, Defaults) {
   EXPECT_TRUE(o.load_libraries.empty());
   EXPECT_TRUE(o.ring);
   EXPECT_EQ(o.ring_capacity, 64u);
-  EXPECT_EQ(o.ring_spin_us, 50u);
+  EXPECT_EQ(o.spin_us, 200u);
 }
 
 TEST(OptionsTest, RingFlags) {
   Options o;
   bool help = false;
-  ASSERT_TRUE(Parse({"--no-ring", "--ring-capacity", "1024", "--ring-spin-us=0"}, &o, &help).ok());
+  ASSERT_TRUE(Parse({"--no-ring", "--ring-capacity", "1024", "--spin-us=0"}, &o, &help).ok());
   EXPECT_FALSE(o.ring);
   EXPECT_EQ(o.ring_capacity, 1024u);
-  EXPECT_EQ(o.ring_spin_us, 0u);
+  EXPECT_EQ(o.spin_us, 0u);
   ASSERT_TRUE(Parse({"--no-ring", "--ring", "--ring-capacity=8"}, &o, &help).ok());
   EXPECT_TRUE(o.ring);  // the last one wins
   EXPECT_EQ(o.ring_capacity, 8u);
@@ -48,8 +48,8 @@ TEST(OptionsTest, RingFlags) {
       {{"--ring-capacity", "4"}, "out of range [8, 1024]"},
       {{"--ring-capacity", "2048"}, "out of range [8, 1024]"},
       {{"--ring-capacity"}, "needs a value"},
-      {{"--ring-spin-us", "-5"}, "'-5'"},
-      {{"--ring-spin-us", "100001"}, "out of range"},
+      {{"--spin-us", "-5"}, "'-5'"},
+      {{"--spin-us", "100001"}, "out of range"},
       {{"--ring=yes"}, "--ring takes no value"},
       {{"--no-ring=1"}, "--no-ring takes no value"},
   };
@@ -135,7 +135,7 @@ TEST(OptionsTest, HelpDocumentsEveryFlag) {
   for (const char* flag : {"--device", "--socket", "--runtime-dir", "--log-level", "--max-sessions", "--max-lanes",
                            "--max-regions", "--max-mapped-bytes", "--max-message-bytes", "--drain-deadline-ms",
                            "--bind-timeout-ms", "--allowed-gid", "--load-library", "--ring", "--no-ring",
-                           "--ring-capacity", "--ring-spin-us", "--help"}) {
+                           "--ring-capacity", "--spin-us", "--help"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(text.find(".session.sock"), std::string::npos);

@@ -163,12 +163,17 @@ TEST(ProtoTest, RepliesCarryEveryField) {
   e.session_id = 4;
   e.regions.pending_unmaps = 2;
   st.sessions_detail.push_back(e);
+  st.stages.push_back({"run", 4.5, 9.0, 7});
   v1::StatsReply sr;
   ToProto(st, &sr);
   EXPECT_EQ(sr.calls(), 10u);
   EXPECT_EQ(sr.call_p50_us(), 3.5);
   ASSERT_EQ(sr.session_size(), 1);
   EXPECT_EQ(sr.session(0).pending_unmaps(), 2u);
+  ASSERT_EQ(sr.stages_size(), 1);
+  EXPECT_EQ(sr.stages(0).name(), "run");
+  EXPECT_EQ(sr.stages(0).p99_us(), 9.0);
+  EXPECT_EQ(sr.stages(0).count(), 7u);
 }
 
 TEST(GrpcStatusTest, OneToOneCodesAndMessages) {
