@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the table) when run as a file
 import reference as ref  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -84,9 +85,16 @@ def time_graph(fns, reps=7):
     return statistics.median(times)
 
 
-def cases(ops):
-    """Yields (op, label, make_inputs, run_op, run_ref, bytes_moved)."""
+def shape_key(model: str, per_rank: bool) -> str:
+    """The shape's name in the full benchmark (bench/common.py SHAPES): flux, flux_rank, wan, wan_rank."""
+    return model + ("_rank" if per_rank else "")
+
+
+def cases(ops, shapes=None):
+    """Yields (op, label, make_inputs, run_op, run_ref, bytes_moved); shapes: keys (shape_key) to keep, None: all."""
     for model, S, H, per_rank in SHAPES:
+        if shapes is not None and shape_key(model, per_rank) not in shapes:
+            continue
         tag = f"{model} S={S} H={H}" + (" (per rank)" if per_rank else "")
         rows = S * H
 
@@ -130,12 +138,12 @@ def cases(ops):
                    qrows * (D + 4) + qrows * D * 2)
 
 
-def run(lib: str, only: str | None = None):
+def run(lib: str, only: str | None = None, shapes=None):
     torch.ops.load_library(lib)
     ops = torch.ops.cache_dit_cuda_ops
     bw = copy_bandwidth()
     results = []
-    for op, label, make, run_op, run_ref, nbytes in cases(ops):
+    for op, label, make, run_op, run_ref, nbytes in cases(ops, shapes):
         if only and only not in op:
             continue
         sets = [make() for _ in range(max(2, math.ceil(4 * L2_BYTES / nbytes)))]
@@ -153,13 +161,9 @@ def run(lib: str, only: str | None = None):
 
 
 def table(res) -> str:
-    lines = [f"copy bandwidth (device-to-device, read + write): {res['copy_gb_per_s']:.0f} GB/s", "",
-             "| op | shape | time (us) | GB/s | of copy BW | torch ref (us) | speed-up |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for c in res["cases"]:
-        lines.append(f"| {c['op']} | {c['shape']} | {c['time_us']:.1f} | {c['gb_per_s']:.0f} | "
-                     f"{100 * c['fraction_of_copy']:.0f}% | {c['torch_ref_time_us']:.1f} | {c['speedup_vs_torch']:.1f}x |")
-    return "\n".join(lines)
+    from bench.report import kernels_table  # one renderer for this script and the full report
+
+    return kernels_table(res)
 
 
 def environment(lib: str) -> dict:
@@ -169,7 +173,7 @@ def environment(lib: str) -> dict:
     def out(*cmd):
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
-        except OSError:
+        except (OSError, subprocess.SubprocessError):  # no nvidia-smi, or it hangs
             return ""
 
     return {
@@ -189,6 +193,9 @@ def main():
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--only", help="substring of the op names to run")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("kernels.py: no CUDA device is visible; this benchmark runs on a GPU host", file=sys.stderr)
+        sys.exit(2)
     res = run(args.lib, args.only)
     res["device"] = torch.cuda.get_device_name()
     res["env"] = environment(args.lib)

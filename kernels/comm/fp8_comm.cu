@@ -2,11 +2,12 @@
 //
 // A record is D e4m3 bytes plus a 2- or 4-byte scale (kernels/comm/fp8_comm.h),
 // so record rows are D + 2 or D + 4 bytes long and almost never 16-byte
-// aligned. Quantization writes each thread's 8 payload bytes with the widest
-// stores their alignment allows. Dequantization moves records through shared
-// memory: a block owns a run of consecutive records, one contiguous byte range,
-// and loads it with 16-byte accesses (a few single bytes at its two ends). The
-// bf16 side is read or written with 16-byte packs whenever its rows are aligned.
+// aligned. Both directions therefore move records through shared memory: a
+// block owns a run of consecutive records, one contiguous byte range, and
+// copies it to or from global memory with 16-byte accesses (a few single bytes
+// at its two ends); the narrow, record-aligned accesses stay in shared memory.
+// The bf16 side is read or written with 16-byte packs whenever its rows are
+// aligned.
 //
 // Quantization keeps each row in registers between the amax reduction and the
 // conversion, so x is read from HBM once. Rows longer than the register budget
@@ -15,6 +16,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "kernels/comm/fp8_comm.h"
 #include "kernels/common/cuda_utils.cuh"
@@ -44,6 +47,8 @@ struct PerTokenFormat {
     __device__ float operator()(float v) const { return v * inv; }
   };
   __device__ static Quantizer quantizer(float scale) { return {1.f / scale}; }
+  template <class F>
+  __device__ static void with_row_quantizer(float scale, const F& f) { f(quantizer(scale)); }
   __device__ static void store_scale(uint8_t* dst, float scale) {
     const uint16_t bits = __bfloat16_as_ushort(__float2bfloat16_rn(scale));
     if (reinterpret_cast<uintptr_t>(dst) % 2 == 0) {
@@ -67,6 +72,41 @@ struct QkvFormat {
     __device__ float operator()(float v) const { return __fdiv_rn(v, scale); }
   };
   __device__ static Quantizer quantizer(float scale) { return {scale}; }
+
+  // x / scale must round as one IEEE division, as the reference's does, and
+  // div.rn costs ~10 instructions per value: a reciprocal estimate of the
+  // divisor refined by two FMAs, an FMA product, an FMA remainder, an FMA
+  // correction, and a range check that sends extreme exponents to a slow path.
+  // For a row's fixed divisor, RowQuantizer refines the reciprocal once and
+  // runs the last three steps per value (a multiply, two FMAs). That sequence
+  // returns the correctly rounded quotient for every scale this format produces
+  // up to 2^64 and every bf16 significand of x, for any reciprocal estimate
+  // within 8 ulps (rcp.approx is within 1): checked exhaustively on the host
+  // (kernels/NOTES.md, v6). |x| >= scale * 2^-11 keeps every operand and
+  // intermediate far from underflow, where that check carries over by exact
+  // power-of-two scaling. A smaller |x| has |x / scale| < 2^-11, below half of
+  // e4m3's least subnormal (2^-9): it rounds to a zero with x's sign, and so
+  // does the product x * rcp, which keeps that sign (the FMAs would turn -0
+  // into +0).
+  struct RowQuantizer {
+    float scale, rcp, tiny;
+    __device__ float operator()(float v) const {
+      const float q0 = v * rcp;
+      return fabsf(v) >= tiny ? __fmaf_rn(rcp, __fmaf_rn(-scale, q0, v), q0) : q0;
+    }
+  };
+  // Calls f with the quantizer of a row; rows with an inf, NaN or huge amax
+  // divide with div.rn.
+  template <class F>
+  __device__ static void with_row_quantizer(float scale, const F& f) {
+    if (scale <= 0x1p64f) {  // false for NaN
+      float r0;
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(scale));
+      f(RowQuantizer{scale, __fmaf_rn(r0, __fmaf_rn(-scale, r0, 1.f), r0), scale * 0x1p-11f});
+    } else {
+      f(quantizer(scale));
+    }
+  }
   __device__ static void store_scale(uint8_t* dst, float scale) {
     const uint32_t bits = __float_as_uint(scale);
     if (reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
@@ -92,19 +132,48 @@ struct ContiguousRows {
   __device__ int64_t operator()(I r, int64_t D) const { return static_cast<int64_t>(r) * D; }
 };
 
+// n / d as a multiply-high and a shift (Granlund & Montgomery 1994, fig. 4.1;
+// the same scheme as ATen's IntDivider): exact for n < 2^31, where t + n below
+// cannot overflow. A runtime 32-bit division is ~20 instructions, and the QKV
+// row map needs three per record, ahead of the record's first load.
+struct FastDiv {
+  uint32_t magic = 1;
+  uint32_t shift = 0;
+
+  static FastDiv make(uint64_t d) {
+    FastDiv f;
+    if (d <= 1 || d > INT32_MAX) return f;  // d = 1; a larger d never reaches the 32-bit maps
+    while ((uint64_t{1} << f.shift) < d) ++f.shift;
+    f.magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.shift) - d)) / d + 1);
+    return f;
+  }
+  __device__ uint32_t div(uint32_t n) const { return (__umulhi(n, magic) + n) >> shift; }
+};
+
 // Send side of the Ulysses all-to-all: record r is in [P, S, B, N] order and
 // reads x[b, s, p, n, :] through x's B/S/P strides.
 struct QkvSendRows {
   uint32_t S, B, N;
+  FastDiv div_s, div_b, div_n;
   int64_t stride_b, stride_s, stride_p;
   template <typename I>
   __device__ int64_t operator()(I r, int64_t D) const {
-    const I n = r % N;
-    I t = r / N;
-    const I b = t % B;
-    t /= B;
-    const I s = t % S;
-    const I p = t / S;
+    I n, b, s, p;
+    if constexpr (std::is_same_v<I, uint32_t>) {
+      const uint32_t t = div_n.div(r);
+      n = r - t * N;
+      const uint32_t u = div_b.div(t);
+      b = t - u * B;
+      p = div_s.div(u);
+      s = u - p * S;
+    } else {
+      n = r % N;
+      I t = r / N;
+      b = t % B;
+      t /= B;
+      s = t % S;
+      p = t / S;
+    }
     return b * stride_b + s * stride_s + p * stride_p + static_cast<int64_t>(n) * D;
   }
 };
@@ -139,19 +208,24 @@ __device__ __forceinline__ float amax_of(__nv_bfloat162 m) {
   return cuda::nan_max(__low2float(m), __high2float(m));
 }
 
-// 8 bf16 values -> 8 e4m3 bytes (little-endian in a uint64).
+__device__ __forceinline__ const Pack<bf16, kPack>& as_pack(const uint4& u) {
+  return *reinterpret_cast<const Pack<bf16, kPack>*>(&u);
+}
+
+// 8 bf16 values -> 8 e4m3 bytes (little-endian in a uint64). bf16 -> fp32 is
+// a 16-bit shift, done here on the pair's word (two instructions per pair
+// rather than three), and the byte pairs are joined with byte permutes.
 template <class Quantizer>
 __device__ __forceinline__ uint64_t quantize_pack(const Pack<bf16, kPack>& v, const Quantizer& q) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(v.e);
-  uint64_t bytes = 0;
+  const auto* w = reinterpret_cast<const uint32_t*>(v.e);
+  uint32_t b[kPack / 2];
 #pragma unroll
   for (int i = 0; i < kPack / 2; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    const __nv_fp8x2_storage_t b2 =
-        __nv_cvt_float2_to_fp8x2(make_float2(q(f.x), q(f.y)), __NV_SATFINITE, __NV_E4M3);
-    bytes |= static_cast<uint64_t>(b2) << (16 * i);
+    const float lo = __uint_as_float(w[i] << 16);
+    const float hi = __uint_as_float(w[i] & 0xffff0000u);
+    b[i] = __nv_cvt_float2_to_fp8x2(make_float2(q(lo), q(hi)), __NV_SATFINITE, __NV_E4M3);
   }
-  return bytes;
+  return __byte_perm(b[0], b[1], 0x5410) | (static_cast<uint64_t>(__byte_perm(b[2], b[3], 0x5410)) << 32);
 }
 
 // 8 e4m3 bytes -> 8 bf16 values, y = bf16(float(q) * scale). e4m3 -> f16 is
@@ -213,6 +287,18 @@ __device__ __forceinline__ void copy_global_to_smem(uint8_t* smem, const uint8_t
   for (int64_t j = head + body * 16 + threadIdx.x; j < n; j += blockDim.x) smem[a + j] = g[j];
 }
 
+// The mirror image: smem + a and g have the same address mod 16 (a = g % 16).
+__device__ __forceinline__ void copy_smem_to_global(uint8_t* g, const uint8_t* smem, int a, int n) {
+  const int head = min(n, (16 - a) & 15);
+  const int body = (n - head) / 16;
+  const int tail = head + body * 16;
+  if (static_cast<int>(threadIdx.x) < head) g[threadIdx.x] = smem[a + threadIdx.x];
+  if (tail + static_cast<int>(threadIdx.x) < n) g[tail + threadIdx.x] = smem[a + tail + threadIdx.x];
+  const auto* sv = reinterpret_cast<const uint4*>(smem + a + head);
+  auto* gv = reinterpret_cast<uint4*>(g + head);
+  for (int i = threadIdx.x; i < body; i += kThreads) gv[i] = sv[i];
+}
+
 // ---- quantization ------------------------------------------------------------
 
 struct QuantParams {
@@ -221,6 +307,116 @@ struct QuantParams {
   int64_t rows, D;
   int log2_tpr;  // threads per row (<= 32, so a row's reduction stays in a warp)
 };
+
+// Stores the low n (<= 8) bytes of v at shared-memory dst in pieces of `align`
+// bytes. The caller passes one alignment for the whole launch (it divides every
+// record's address): a warp holds rows of different alignments, and choosing
+// per thread would run each width the warp holds, one after the other.
+__device__ __forceinline__ void store_smem_bytes(uint8_t* dst, uint64_t v, int n, int align) {
+  if (n == 8 && align == 8) {
+    *reinterpret_cast<uint64_t*>(dst) = v;
+  } else if (n == 8 && align == 4) {
+    reinterpret_cast<uint32_t*>(dst)[0] = static_cast<uint32_t>(v);
+    reinterpret_cast<uint32_t*>(dst)[1] = static_cast<uint32_t>(v >> 32);
+  } else if (n == 8 && align == 2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) reinterpret_cast<uint16_t*>(dst)[i] = static_cast<uint16_t>(v >> (16 * i));
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+}
+
+// Block = kThreads / tpr row groups x ROWS rows each, one tile of consecutive
+// records. Every thread loads CHUNKS packs of each of its rows into registers
+// (all loads in flight before the first use), the row's amax is reduced across
+// its tpr lanes, and the quantized bytes and the scale go to the tile's records
+// in shared memory, laid out at the same address mod 16 as in global memory.
+// After one barrier the block writes its whole record range with 16-byte stores:
+// storing records straight from registers needs 2- or 4-byte global stores
+// (rows are D + 2 or D + 4 bytes), which capped this op at ~50% of copy
+// bandwidth. Rows per tile: D <= 2048, so a tile is at most ~16 KiB of records.
+template <class Format, class RowMap, int CHUNKS, int ROWS, bool VECTOR>
+__global__ void __launch_bounds__(kThreads) fp8_quant_tile_kernel(const QuantParams p, const RowMap map) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tpr = 1 << p.log2_tpr;
+  const int lane = threadIdx.x & (tpr - 1);
+  const int group = threadIdx.x >> p.log2_tpr;
+  const int groups = kThreads >> p.log2_tpr;
+  const int D = static_cast<int>(p.D);
+  const int rec = D + Format::kScaleBytes;
+  const int rows_per_block = groups * ROWS;
+  // Record addresses are out + row * rec, so the lowest set bit of out | rec
+  // (at most 8) divides all of them, in global and, by the layout, in shared memory.
+  const int wide = static_cast<int>(reinterpret_cast<uintptr_t>(p.out)) | rec | 8;
+  const int align = wide & -wide;
+
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; row0 < p.rows;
+       row0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int nrows = static_cast<int>(min(static_cast<int64_t>(rows_per_block), p.rows - row0));
+    uint8_t* gdst = p.out + row0 * rec;
+    const int a = static_cast<int>(reinterpret_cast<uintptr_t>(gdst) & 15);
+
+    // All loads first, then their first use: reducing a pack between two loads
+    // makes each load wait for the one before it. Packs stay as four 32-bit
+    // words (bf16 pairs); held as bf16 elements, they get split into 16-bit
+    // registers and merged again.
+    uint4 v[ROWS][CHUNKS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int r = i * groups + group;
+      // A thread past the tile's last row still joins the shuffles; it reads
+      // row 0 (always valid) and writes nothing.
+      const bf16* src = p.x + (r < nrows ? map(static_cast<uint32_t>(row0 + r), p.D) : 0);
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        const int c = lane + k * tpr;
+        v[i][k] = make_uint4(0, 0, 0, 0);
+        if (VECTOR) {
+          if (c * kPack < D) v[i][k] = reinterpret_cast<const uint4*>(src)[c];
+        } else {
+          auto* e = reinterpret_cast<bf16*>(&v[i][k]);
+#pragma unroll
+          for (int j = 0; j < kPack; ++j) {
+            if (c * kPack + j < D) e[j] = src[c * kPack + j];
+          }
+        }
+      }
+    }
+    __nv_bfloat162 m[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      m[i] = __float2bfloat162_rn(0.f);
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) m[i] = pack_amax(as_pack(v[i][k]), m[i]);
+    }
+    // max over bf16 pairs: the same value as the fp32 max of the converted
+    // halves, and a NaN anywhere in the row is the canonical NaN either way.
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      for (int off = tpr >> 1; off > 0; off >>= 1) m[i] = __hmax2_nan(m[i], __shfl_xor_sync(0xffffffffu, m[i], off));
+    }
+
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int r = i * groups + group;
+      if (r >= nrows) continue;
+      const float scale = Format::scale(amax_of(m[i]));
+      uint8_t* srec = smem + a + r * rec;
+      Format::with_row_quantizer(scale, [&](const auto& q) {
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) {
+          const int c = lane + k * tpr;
+          if (c * kPack >= D) break;
+          store_smem_bytes(srec + c * kPack, quantize_pack(as_pack(v[i][k]), q), min(kPack, D - c * kPack), align);
+        }
+      });
+      if (lane == 0) Format::store_scale(srec + D, scale);
+    }
+    __syncthreads();
+    copy_smem_to_global(gdst, smem, a, nrows * rec);
+    __syncthreads();  // the next tile reuses smem
+  }
+}
 
 // Stores the low n (<= 8) bytes of v at dst with the widest accesses dst's
 // alignment allows: record rows are D + 2 or D + 4 bytes long, so a thread's
@@ -243,7 +439,8 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t v, int n) {
 // Block = kThreads / tpr row groups x ROWS rows each; every thread holds
 // CHUNKS packs of each of its rows in registers, so all of its loads are in
 // flight before the first reduction, and writes its bytes straight to the
-// record (no shared-memory staging, no block barrier).
+// record. Kept for 2048 < D <= 4096 (16 packs per thread), beyond the tile
+// kernel's configurations.
 template <class Format, class RowMap, int CHUNKS, int ROWS, bool VECTOR>
 __global__ void __launch_bounds__(kThreads) fp8_quant_kernel(const QuantParams p, const RowMap map) {
   const int tpr = 1 << p.log2_tpr;
@@ -344,27 +541,40 @@ void launch_quant(const QuantParams& p, const RowMap& map, bool vector, cudaStre
   }
 }
 
+template <class Format, class RowMap, int CHUNKS, int ROWS>
+void launch_quant_tile(QuantParams p, int tpr, const RowMap& map, bool vector, cudaStream_t stream) {
+  p.log2_tpr = __builtin_ctz(tpr);
+  const int64_t rows_per_block = static_cast<int64_t>(kThreads / tpr) * ROWS;
+  // + 16: the records sit at their global address mod 16.
+  const size_t smem = static_cast<size_t>(rows_per_block * (p.D + Format::kScaleBytes)) + 16;
+  const int64_t blocks = std::min<int64_t>(cuda::ceil_div(p.rows, rows_per_block), INT32_MAX);
+  if (vector) {
+    fp8_quant_tile_kernel<Format, RowMap, CHUNKS, ROWS, true><<<blocks, kThreads, smem, stream>>>(p, map);
+  } else {
+    fp8_quant_tile_kernel<Format, RowMap, CHUNKS, ROWS, false><<<blocks, kThreads, smem, stream>>>(p, map);
+  }
+}
+
 template <class Format, class RowMap>
 void quantize_rows(const bf16* x, uint8_t* out, int64_t rows, int64_t D, const RowMap& map,
                    bool vector, cudaStream_t stream) {
   QuantParams p{x, out, rows, D, 0};
   const int64_t packs = cuda::ceil_div(D, kPack);
-  const int tpr = cuda::threads_per_row(packs, 1);
-  p.log2_tpr = __builtin_ctz(tpr);
-  const int64_t chunks = cuda::ceil_div(packs, tpr);
   const bool huge = rows > INT32_MAX;  // record indices must fit the 32-bit row maps
+  // Tiles keep four 16-byte loads in flight per thread: four rows of one pack
+  // while a row has at most four packs, then four packs of one row (per-row
+  // work, the row map and the scale, spread over more bytes).
   if (huge) {
     const int64_t blocks = std::min<int64_t>(rows, INT32_MAX);
     fp8_quant_long_rows_kernel<Format, RowMap><<<blocks, kThreads, 0, stream>>>(p, map);
-  } else if (chunks == 1) {  // D <= 256
-    launch_quant<Format, RowMap, 1, 4>(p, map, vector, stream);
-  } else if (chunks == 2) {  // D <= 512
-    launch_quant<Format, RowMap, 2, 2>(p, map, vector, stream);
-  } else if (chunks <= 4) {
-    launch_quant<Format, RowMap, 4, 1>(p, map, vector, stream);
-  } else if (chunks <= 8) {
-    launch_quant<Format, RowMap, 8, 1>(p, map, vector, stream);
-  } else if (chunks <= kMaxRegisterChunks && !huge) {
+  } else if (packs <= 4) {  // D <= 32
+    launch_quant_tile<Format, RowMap, 1, 4>(p, cuda::threads_per_row(packs, 1), map, vector, stream);
+  } else if (packs <= 4 * 32) {  // D <= 1024
+    launch_quant_tile<Format, RowMap, 4, 1>(p, cuda::threads_per_row(packs, 4), map, vector, stream);
+  } else if (packs <= 8 * 32) {  // D <= 2048
+    launch_quant_tile<Format, RowMap, 8, 1>(p, 32, map, vector, stream);
+  } else if (packs <= kMaxRegisterChunks * 32) {  // D <= 4096
+    p.log2_tpr = 5;
     launch_quant<Format, RowMap, kMaxRegisterChunks, 1>(p, map, vector, stream);
   } else {
     const int64_t blocks = std::min<int64_t>(rows, INT32_MAX);
@@ -498,7 +708,8 @@ void qkv_permute_quant_launcher(const at::Tensor& x, at::Tensor& out) {
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const QkvSendRows map{static_cast<uint32_t>(S), static_cast<uint32_t>(B), static_cast<uint32_t>(N),
-                          x.stride(0), x.stride(1), x.stride(2)};
+                        FastDiv::make(S), FastDiv::make(B), FastDiv::make(N),
+                        x.stride(0), x.stride(1), x.stride(2)};
   const bool vector = D % kPack == 0 && cuda::is_aligned(x.data_ptr(), 16) &&
                       map.stride_b % kPack == 0 && map.stride_s % kPack == 0 &&
                       map.stride_p % kPack == 0;

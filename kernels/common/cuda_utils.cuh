@@ -53,9 +53,9 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Threads that share one row of `units` vector accesses: a power of two
 // <= 32 (a row's reduction stays within a warp), each thread taking about
 // `per_thread` of them. Measured on the H200 (bench/kernels.py, D = 128):
-// the merge and the quantizers run fastest with one access per thread (more
-// threads in flight), the dequantizers with four (per-row scale and index
-// work spread over more bytes).
+// the merge runs fastest with one access per thread (more threads in
+// flight), the dequantizers and the tiled quantizers with four (per-row
+// scale and index work spread over more bytes; kernels/NOTES.md).
 inline int threads_per_row(int64_t units, int64_t per_thread) {
   return std::min(32, next_pow2(ceil_div(units, per_thread)));
 }
