@@ -679,8 +679,10 @@ def update_readme(json_path: Path, readme: Path = README) -> None:
     res = json.loads(json_path.read_text())
     rel = Path(os.path.relpath(json_path, readme.parent))
     env = res.get("env") or {}
+    commit = env.get("code_commit") or (f"{env.get('git_commit', '?')}"
+                                        + (" + uncommitted changes" if env.get("git_dirty") else ""))
     block = [BEGIN,
-             f"Latest run: {env.get('gpu', '?')}, {res.get('date', '?')}, commit {env.get('git_commit', '?')} "
+             f"Latest run: {env.get('gpu', '?')}, {res.get('date', '?')}, commit {commit} "
              f"({res.get('suite', '?')} suite): [all tables]({rel.with_suffix('.md')}), [JSON]({rel}).", "",
              *targets_table(res.get("targets") or evaluate(res)), "",
              f"![benchmark plot]({rel.with_suffix('.png')})", END]

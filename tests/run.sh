@@ -7,7 +7,7 @@
 # 2. deploy/build.sh              one CUDA target: CACHE_DIT_CUDA_ARCH_LIST,
 #                                 default 90a, to keep CI short
 # 3. ctest -LE gpu                GoogleTest suites that need no device
-# 4. pytest tests/kernels, tests/python -m "not gpu" (one process each)
+# 4. pytest tests/kernels, tests/python, tests/bench -m "not gpu" (one process each)
 # ctest and pytest both run whatever the other did; the script exits non-zero
 # when any step failed, when ctest found no test, or when pytest collected none
 # (its exit code 5). JUnit files and the build folder: ${CACHE_DIT_BUILD_DIR:-build}.
@@ -71,7 +71,7 @@ if [ -d "$ROOT/python" ]; then export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PY
 export CACHE_DIT_OPD_REQUIRE_BUILD=1
 JUNIT=("$RESULTS/ctest.xml" "$CTEST_RC")
 PYTEST_RC=0
-for suite in tests/kernels tests/python; do
+for suite in tests/kernels tests/python tests/bench; do
   say "== pytest $suite -m 'not gpu'"
   xml="$RESULTS/pytest-$(basename "$suite").xml"
   rm -f "$xml"

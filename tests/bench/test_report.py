@@ -1,0 +1,112 @@
+"""bench/report.py on the CPU: issue-7 verdicts follow the figures, and results render to markdown and PNG.
+
+The committed H200 run is the fixture; each test edits the figures a verdict
+depends on and checks that the verdict (and the op it names) follows.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from bench import report  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+FULL = RESULTS / "2026-11-29-h200.json"
+KERNELS_ONLY = RESULTS / "2026-11-29-h200-kernels.json"
+
+
+@pytest.fixture
+def res():
+    return json.loads(FULL.read_text())
+
+
+def verdicts(res):
+    return {r["id"]: r for r in report.evaluate(res)}
+
+
+def test_every_target_has_a_row_and_a_known_verdict(res):
+    rows = verdicts(res)
+    for tid in ("latency.sync", "latency.async", "latency.grpc", "latency.cpp", "pipelined.async", "pipelined.sync",
+                "pipelined.grpc", "kernels"):
+        assert tid in rows, sorted(rows)
+    assert any(t.startswith("scaling.") for t in rows)
+    assert {r["verdict"] for r in rows.values()} <= {"met", "missed", "incomplete", "reported", "n/a", "no data"}
+
+
+def test_kernel_verdict_follows_the_worst_wan_case(res):
+    cases = res["cases"]["kernels"]["cases"]
+    for c in cases:
+        c["fraction_of_copy"] = 0.9
+    assert verdicts(res)["kernels"]["verdict"] == "met"
+    wan = [c for c in cases if c["shape"].startswith("wan")]
+    wan[1]["fraction_of_copy"] = 0.5
+    row = verdicts(res)["kernels"]
+    assert row["verdict"] == "missed"
+    assert "50%" in row["achieved"] and f"{len(wan) - 1} of {len(wan)}" in row["achieved"]
+    # FLUX shapes are outside this target
+    flux = [c for c in cases if c["shape"].startswith("flux")]
+    wan[1]["fraction_of_copy"] = 0.9
+    flux[0]["fraction_of_copy"] = 0.1
+    assert verdicts(res)["kernels"]["verdict"] == "met"
+
+
+def _set_overheads(res, mode, overhead_us):
+    modes = res["cases"]["latency"]["modes"]
+    for shape, ops in modes[mode]["shapes"].items():
+        for op, cell in ops.items():
+            cell["p50_us"] = modes["inproc"]["shapes"][shape][op]["p50_us"] + overhead_us
+
+
+def test_latency_verdicts_follow_the_overhead_limits(res):
+    _set_overheads(res, "async", 9.0)
+    _set_overheads(res, "sync", 19.0)
+    rows = verdicts(res)
+    assert rows["latency.async"]["verdict"] == "met"
+    assert rows["latency.sync"]["verdict"] == "met"
+    _set_overheads(res, "async", 11.0)
+    assert verdicts(res)["latency.async"]["verdict"] == "missed"
+
+
+def test_a_missing_measurement_is_never_a_pass(res):
+    _set_overheads(res, "async", 1.0)
+    modes = res["cases"]["latency"]["modes"]
+    shape = next(iter(modes["async"]["shapes"]))
+    op = next(iter(modes["async"]["shapes"][shape]))
+    modes["async"]["shapes"][shape][op] = {"error": "child timed out"}
+    assert verdicts(res)["latency.async"]["verdict"] == "incomplete"
+    del res["cases"]["latency"]
+    assert verdicts(res)["latency.async"]["verdict"] == "no data"
+
+
+def test_markdown_has_every_section_and_the_targets(res):
+    md = report.markdown(copy.deepcopy(res))
+    for heading in ("## Targets", "## 1. Per-call latency", "## 2. Pipelined throughput", "## 3. Many processes",
+                    "## 4. Kernels", "## 5. Region registration"):
+        assert heading in md
+    for row in report.evaluate(res):
+        assert row["target"] in md
+
+
+def test_committed_markdown_is_what_the_json_renders():
+    assert report.markdown(json.loads(FULL.read_text())).strip() == FULL.with_suffix(".md").read_text().strip()
+
+
+def test_kernels_only_results_still_render(tmp_path):
+    src = tmp_path / "k.json"
+    src.write_text(KERNELS_ONLY.read_text())
+    rows = report.evaluate(json.loads(src.read_text()))
+    assert [r["id"] for r in rows] == ["kernels"]
+    md = report.markdown(json.loads(src.read_text()))
+    assert "fp8_comm_qkv_permute_quant" in md and "of copy BW" in md
+
+
+def test_png_is_written(tmp_path, res):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "r.png"
+    report.plot(res, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
