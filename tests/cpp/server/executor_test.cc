@@ -344,6 +344,13 @@ TEST_F(ExecutorTest, IdleAndWaitingDoNotBurnCpu) {
   SetInputsReady(*s, 0, 1);
   ASSERT_TRUE(r.Wait(1));
   EXPECT_TRUE(r.Get(1).ok());
+
+  // After its last call the executor busy-polls for `spin` only, then sleeps.
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 1; }));
+  std::this_thread::sleep_for(50ms);
+  t0 = CpuSeconds();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_LT(CpuSeconds() - t0, 0.03) << "executor kept spinning after its last call";
 }
 
 TEST_F(ExecutorTest, StopCompletesEverythingQueued) {
