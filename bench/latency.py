@@ -90,28 +90,15 @@ def daemon_stages() -> dict | list:
         return {"error": str(e)[:300]}
 
 
-def _measure(f, ctx, p: dict) -> dict:
-    try:
-        if isinstance(f, Exception):
-            raise f
-        return time_calls(f, ctx.sync, p["n"], p["warmup"], p["sync_every"])
-    except Exception as e:  # noqa: BLE001  (this op fails; the others are measured)
-        return {"error": error_text(e)}
-
-
 def child(ctx, p: dict) -> dict:
-    from bench.opcases import free_memory, make_calls
+    from bench.opcases import measure_each_op
 
     ops = ctx.ops()
     capacity = ctx.info.get("ring_capacity") or 0
     if capacity:  # a daemon started with a smaller --ring-capacity: stay under half of it
         p = dict(p, sync_every=max(1, min(p["sync_every"], capacity // 2)))
-    shapes = {}
-    for shape in p["shapes"]:
-        calls = make_calls(ops, shape)
-        shapes[shape] = {op: _measure(f, ctx, p) for op, f in calls.items()}
-        del calls
-        free_memory()  # the next shape's tensors do not stack on these
+    shapes = measure_each_op(ops, p["shapes"],
+                             lambda f: time_calls(f, ctx.sync, p["n"], p["warmup"], p["sync_every"]))
     out = {"shapes": shapes, "sync_every": p["sync_every"]}
     if ctx.mode != INPROC:
         out["daemon_stages"] = daemon_stages()

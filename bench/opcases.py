@@ -86,6 +86,27 @@ def make_calls(ops, shape: str, only=None, device: str = "cuda") -> dict[str, ob
     return calls
 
 
+def measure_each_op(ops, shapes, measure) -> dict:
+    """{shape: {op: measure(call)}} for every op at each shape in turn; an op whose tensors could not be
+    built or whose measurement raised records {"error": ...} and the others are still measured."""
+    from bench.common import error_text
+
+    out = {}
+    for shape in shapes:
+        calls = make_calls(ops, shape)
+        out[shape] = {}
+        for op, f in calls.items():
+            try:
+                if isinstance(f, Exception):
+                    raise f
+                out[shape][op] = measure(f)
+            except Exception as e:  # noqa: BLE001  (this op fails; the others are measured)
+                out[shape][op] = {"error": error_text(e)}
+        del calls
+        free_memory()  # the next shape's tensors do not stack on these
+    return out
+
+
 def own_segment(shape: tuple, dtype):
     """A tensor alone in a fresh caching-allocator segment (its base is the segment's base).
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.common import GRPC, INPROC, RING_ASYNC, RING_SYNC, error_text
+from bench.common import GRPC, INPROC, RING_ASYNC, RING_SYNC
 
 MODES = (INPROC, RING_ASYNC, RING_SYNC, GRPC)
 
@@ -52,23 +52,8 @@ def pipelined(f, sync, n: int, reps: int, warmup: int) -> dict:
             "reps_calls_per_s": rates, "n": n}
 
 
-def _measure(f, ctx, p: dict) -> dict:
-    try:
-        if isinstance(f, Exception):
-            raise f
-        return pipelined(f, ctx.sync, p["n"], p["reps"], p["warmup"])
-    except Exception as e:  # noqa: BLE001  (this op fails; the others are measured)
-        return {"error": error_text(e)}
-
-
 def child(ctx, p: dict) -> dict:
-    from bench.opcases import free_memory, make_calls
+    from bench.opcases import measure_each_op
 
-    ops = ctx.ops()
-    shapes = {}
-    for shape in p["shapes"]:
-        calls = make_calls(ops, shape)
-        shapes[shape] = {op: _measure(f, ctx, p) for op, f in calls.items()}
-        del calls
-        free_memory()
-    return {"shapes": shapes}
+    return {"shapes": measure_each_op(ctx.ops(), p["shapes"],
+                                      lambda f: pipelined(f, ctx.sync, p["n"], p["reps"], p["warmup"]))}
