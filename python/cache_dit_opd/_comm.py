@@ -186,48 +186,49 @@ def _fp8_comm_qkv_permute_dequant_out(quant_x, *, out):
     return _forward_out("fp8_comm_qkv_permute_dequant", _qkv_permute_dequant_meta, quant_x, out)
 
 
-def _fake_fp8_comm_per_token_quant(x):
-    shape, dtype = _per_token_quant_meta(x)
+def _fake_of(meta, x):
+    """Fake of a functional overload: the output the daemon would fill, from the shared checks."""
+    shape, dtype = meta(x)
     return torch.empty(shape, dtype=dtype, device=x.device)
+
+
+def _fake_of_out(op: str, meta, x, out):
+    """Fake of an .out overload: the shared checks, then the out= checks of the proxy impl."""
+    shape, dtype = meta(x)
+    _proxy.check_out(f"{op}.out", "out", out, shape, dtype, x.device)
+    return out
+
+
+def _fake_fp8_comm_per_token_quant(x):
+    return _fake_of(_per_token_quant_meta, x)
 
 
 def _fake_fp8_comm_per_token_quant_out(x, *, out):
-    shape, dtype = _per_token_quant_meta(x)
-    _proxy.check_out("fp8_comm_per_token_quant.out", "out", out, shape, dtype, x.device)
-    return out
+    return _fake_of_out("fp8_comm_per_token_quant", _per_token_quant_meta, x, out)
 
 
 def _fake_fp8_comm_per_token_dequant(x):
-    shape, dtype = _per_token_dequant_meta(x)
-    return torch.empty(shape, dtype=dtype, device=x.device)
+    return _fake_of(_per_token_dequant_meta, x)
 
 
 def _fake_fp8_comm_per_token_dequant_out(x, *, out):
-    shape, dtype = _per_token_dequant_meta(x)
-    _proxy.check_out("fp8_comm_per_token_dequant.out", "out", out, shape, dtype, x.device)
-    return out
+    return _fake_of_out("fp8_comm_per_token_dequant", _per_token_dequant_meta, x, out)
 
 
 def _fake_fp8_comm_qkv_permute_quant(x):
-    shape, dtype = _qkv_permute_quant_meta(x)
-    return torch.empty(shape, dtype=dtype, device=x.device)
+    return _fake_of(_qkv_permute_quant_meta, x)
 
 
 def _fake_fp8_comm_qkv_permute_quant_out(x, *, out):
-    shape, dtype = _qkv_permute_quant_meta(x)
-    _proxy.check_out("fp8_comm_qkv_permute_quant.out", "out", out, shape, dtype, x.device)
-    return out
+    return _fake_of_out("fp8_comm_qkv_permute_quant", _qkv_permute_quant_meta, x, out)
 
 
 def _fake_fp8_comm_qkv_permute_dequant(quant_x):
-    shape, dtype = _qkv_permute_dequant_meta(quant_x)
-    return torch.empty(shape, dtype=dtype, device=quant_x.device)
+    return _fake_of(_qkv_permute_dequant_meta, quant_x)
 
 
 def _fake_fp8_comm_qkv_permute_dequant_out(quant_x, *, out):
-    shape, dtype = _qkv_permute_dequant_meta(quant_x)
-    _proxy.check_out("fp8_comm_qkv_permute_dequant.out", "out", out, shape, dtype, quant_x.device)
-    return out
+    return _fake_of_out("fp8_comm_qkv_permute_dequant", _qkv_permute_dequant_meta, quant_x, out)
 
 
 for _name, _impl, _fake in (
