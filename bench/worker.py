@@ -60,7 +60,7 @@ class Context:
 
             cache_dit_opd.set_async_calls(self.mode == RING_ASYNC)
             d = cache_dit_opd.daemon_info()  # opens the session now, not inside the first timed call
-            self.info.update(transport=d["transport"], async_calls=d["async_calls"],
+            self.info.update(transport=d["transport"], native=d.get("native", False), async_calls=d["async_calls"],
                              ring_capacity=d["ring_capacity"], lanes=d["lanes"], session_id=d["session_id"],
                              daemon_version=d["daemon_version"])
             self._sync = cache_dit_opd.synchronize

@@ -89,7 +89,8 @@ def daemon_info(device=None) -> dict:
         "session_id": s.reply.session_id,
         "lanes": s.reply.lanes,
         "transport": s.transport.name,
-        "ring_capacity": s.transport.producer.capacity if s.transport.name == "ring" else 0,
+        "native": s._native is not None,  # calls run in the native library (client/proxy/)
+        "ring_capacity": getattr(s.transport, "capacity", 0),
         "async_calls": _session.async_calls_enabled(),
         "catalog": sorted(f"{n}.{o}" if o else n for n, o in s.catalog),
     }

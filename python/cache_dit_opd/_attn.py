@@ -107,7 +107,11 @@ def _fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse):
     out = torch.empty(suff_out.shape, dtype=suff_out.dtype, device=suff_out.device)
     lse = torch.empty(suff_lse.shape, dtype=suff_lse.dtype, device=suff_lse.device)
     if out.numel():
-        _call_fused_merge_attn_states(idx, prev_out, prev_lse, suff_out, suff_lse, out, lse)
+        native = _proxy.native_out("fused_merge_attn_states")
+        if native is not None:
+            native(prev_out, prev_lse, suff_out, suff_lse, out=out, lse=lse)
+        else:
+            _call_fused_merge_attn_states(idx, prev_out, prev_lse, suff_out, suff_lse, out, lse)
     return out, lse
 
 

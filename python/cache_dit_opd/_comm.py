@@ -139,7 +139,11 @@ def _forward(op: str, meta, x):
     _get_required_comm_session(idx)
     out = torch.empty(shape, dtype=dtype, device=x.device)
     if out.numel():
-        _call_comm_op(op, idx, x, out)
+        native = _proxy.native_out(op)
+        if native is not None:
+            native(x, out=out)
+        else:
+            _call_comm_op(op, idx, x, out)
     return out
 
 

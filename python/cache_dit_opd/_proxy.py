@@ -114,13 +114,54 @@ def define_or_adopt(lib: "torch.library.Library", schemas: dict, tags=()) -> dic
     return fake_present
 
 
+# The key of the Python impl of an op that has a native kernel: the native kernel (CUDA key) redispatches the
+# calls it cannot finish there. No tensor of these ops is ever a PrivateUse1 tensor.
+PYTHON_IMPL_KEY = "PrivateUse1"
+
+
 def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
-    """Registers the proxy impl (CUDA key) and, unless one exists, the fake."""
+    """Registers the proxy impl and, unless one exists, the fake.
+
+    With the native library (``_native``) an op whose returns all alias its
+    ``out`` arguments gets the native CUDA kernel, and ``cuda_impl`` moves to
+    PYTHON_IMPL_KEY behind it; every other op gets ``cuda_impl`` as its CUDA
+    kernel.
+    """
+    from . import _native
+
     qualname = f"{NAMESPACE}::{full}"
-    torch.library.impl(qualname, "CUDA", cuda_impl, lib=lib)
+    native = _native.library() is not None and _returns_alias_outputs(qualname)
+    if native:
+        torch.library.impl(qualname, PYTHON_IMPL_KEY, cuda_impl, lib=lib)
+        why = _native.register_kernel(full)
+        if why is not None:
+            raise RuntimeError(f"cache_dit_opd: native kernel for {qualname}: {why}")
+        _native_out.add(full)
+    else:
+        torch.library.impl(qualname, "CUDA", cuda_impl, lib=lib)
     if not fake_present.get(full, False):
         # _stacklevel=2: the fake's recorded source is the domain module that calls attach().
         torch.library.register_fake(qualname, fake, lib=lib, _stacklevel=2)
+
+
+_native_out: set[str] = set()  # "name.out" overloads whose CUDA kernel is the native one
+
+
+def native_out(name: str):
+    """``torch.ops.cache_dit_cuda_ops.<name>.out`` when its CUDA kernel is native, else None.
+
+    A functional proxy impl validates and allocates, then hands the call to it:
+    the call itself then runs natively like a direct ``.out`` call.
+    """
+    if f"{name}.out" not in _native_out:
+        return None
+    return getattr(getattr(torch.ops, NAMESPACE), name).out
+
+
+def _returns_alias_outputs(qualname: str) -> bool:
+    name, _, overload = qualname.split("::", 1)[1].partition(".")
+    schema = _existing_schema(name, overload)
+    return bool(schema.returns) and all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns)
 
 
 def check_not_capturing(op: str, device_index: int) -> None:

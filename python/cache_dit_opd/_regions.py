@@ -82,9 +82,12 @@ class RegionTable:
     a dict; changes happen under one lock.
     """
 
-    def __init__(self, register, unregister, driver=None, device_index: int = 0):
+    def __init__(self, register, unregister, driver=None, device_index: int = 0, on_add=None, on_forget=None):
         self._register = register
         self._unregister = unregister
+        # Told about every region that enters or leaves the table (the native session's copy).
+        self._on_add = on_add or (lambda r: None)
+        self._on_forget = on_forget or (lambda r: None)
         self._drv = driver
         self._device_index = device_index
         self._by_base: dict[int, Region] = {}
@@ -165,10 +168,12 @@ class RegionTable:
                 region_id = self._register(handle, base, size, buffer_id)
             r = Region(region_id, base, size, buffer_id)
             self._by_base[base] = r
+            self._on_add(r)
             return r
 
     def _drop(self, r: Region) -> None:
         self._by_base.pop(r.base, None)
+        self._on_forget(r)
         if not self.closed:
             try:
                 self._unregister(r.region_id)
@@ -188,6 +193,7 @@ class RegionTable:
         with self._lock:
             for r in [r for r in self._by_base.values() if r.region_id in ids]:
                 self._by_base.pop(r.base, None)
+                self._on_forget(r)
 
     def sweep(self) -> int:
         """Unregisters every region whose allocation was freed; returns how many."""
@@ -209,6 +215,8 @@ class RegionTable:
 
     def close(self) -> None:
         self.closed = True
+        for r in self._by_base.values():
+            self._on_forget(r)
         self._by_base.clear()
         _tables.discard(self)
 

@@ -25,6 +25,14 @@ call the ring cannot carry (op missing from the catalog, record larger than a
 slot) goes over gRPC after the ring's earlier records, so each lane's seq
 order holds across both transports. Both share the lane protocol above.
 
+With the native library (``_native``, ``client/proxy/``), a ring session
+keeps its producer and lanes in C++ (``_NativeTransport``): the native CUDA
+kernels of the ``.out`` proxy ops run whole calls there without entering
+Python, and this module's own calls (first use of an allocation, retries,
+everything the native kernels hand over) go through the same producer and
+lanes. Lanes are then ``client/lanes.h``'s (streams share lanes behind fence
+events) instead of ``_acquire_lane``'s.
+
 Modes (ring only; over gRPC every call is synchronous): synchronous by
 default, the call waits for its completion and a rejection raises at the call
 site, exactly as over gRPC. Asynchronous (``set_async_calls(True)`` for the
@@ -64,7 +72,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from . import _discovery, _layout, _regions, _ring
+from . import _discovery, _layout, _native, _regions, _ring
 
 log = logging.getLogger("cache_dit_opd")
 
@@ -244,6 +252,7 @@ class _RingTransport:
 
     def __init__(self, producer: "_ring.RingProducer", grpc_transport: _GrpcTransport, catalog, session: "Session"):
         self.producer = producer
+        self.capacity = producer.capacity
         self._grpc = grpc_transport
         self._op_index = {(o.name, o.overload): i for i, o in enumerate(catalog)}
         self._session = weakref.proxy(session)
@@ -300,6 +309,67 @@ class _RingTransport:
             return sum(1 for e in p._entries if e is not None and e.code is None and e.asynchronous)
 
 
+class _NativeTransport:
+    """The ring through the native session (``_native.NativeSession``): one C++ producer and lane table shared
+    with the native proxy kernels. Raises like ``_RingTransport``; there is no gRPC fallback (every catalog op
+    fits a record, and a record that does not fit would not pass the daemon's limits over gRPC either)."""
+
+    name = "ring"
+
+    def __init__(self, native: "_native.NativeSession", catalog, session: "Session"):
+        self.native = native
+        self._ops = [(o.name, o.overload) for o in catalog]
+        self._op_index = {k: i for i, k in enumerate(self._ops)}
+        self._session = weakref.proxy(session)
+        self.capacity = native.state()["ring_capacity"]
+
+    def op_index(self, op: str, overload: str) -> int | None:
+        return self._op_index.get((op, overload))
+
+    def call_on_stream(self, op: str, overload: str, args: list, stream: int, asynchronous: bool,
+                       regions=None) -> None:
+        idx = self._op_index.get((op, overload))
+        if idx is None:
+            raise _CallRejected("NOT_FOUND", f"{op}.{overload} is not in the daemon's catalog")
+        try:
+            body = _ring.encode_args(args)
+        except _ring.RecordDoesNotFit as e:
+            raise ValueError(f"{NAMESPACE}::{op}.{overload}: the arguments do not fit a call record: {e}") from None
+        try:
+            code, message = self.native.call(stream, idx, body, len(args), asynchronous, regions)
+        except _native.NativeError as e:
+            raise _TransportBroken(_ring.status_name(e.code), e.message) from None
+        if code:
+            raise _status_error(_ring.status_name(code), message)
+
+    def _entries(self, rejected) -> list:
+        out = []
+        for r in rejected:
+            op, overload = self._ops[r.op_index] if r.op_index < len(self._ops) else (f"op#{r.op_index}", "")
+            e = _ring.Entry(r.ticket, r.lane, r.seq, op, overload, True, tuple(r.regions[:r.nregions]))
+            e.code = r.code
+            e.message = r.message.decode("utf-8", "replace")
+            out.append(e)
+        return out
+
+    def ready_errors(self) -> list:
+        rejected = self.native.take_rejected()
+        return self._session._async_errors(self._entries(rejected)) if rejected else []
+
+    def deferred_errors(self) -> list:
+        try:
+            rejected = self.native.take_rejected(wait=True)
+        except _native.NativeError:  # the session failed: the failure handling reports what never completes
+            rejected = self.native.take_rejected()
+        return self._session._async_errors(self._entries(rejected)) if rejected else []
+
+    def in_flight(self) -> int:
+        return self.native.state()["in_flight"]
+
+    def unanswered_async(self) -> int:
+        return self.native.state()["unanswered_async"]
+
+
 def _ring_wanted(pref: bool | None) -> bool:
     """Whether to ask for the ring: ``pref`` if given, else CACHE_DIT_OPD_RING (default on); never off x86-64."""
     if pref is None:
@@ -330,6 +400,7 @@ def set_async_calls(enabled: bool = True) -> bool:
     """
     global _async_process
     prev, _async_process = _async_process, bool(enabled)
+    _native.set_async_process(_async_process)
     return prev
 
 
@@ -342,10 +413,12 @@ def async_calls(enabled: bool = True):
     """
     prev = getattr(_async_local, "enabled", None)
     _async_local.enabled = bool(enabled)
+    _native.set_async_thread(_async_local.enabled)
     try:
         yield
     finally:
         _async_local.enabled = prev
+        _native.set_async_thread(prev)
 
 
 def async_calls_enabled() -> bool:
@@ -431,6 +504,7 @@ class Session:
         self.failed: str | None = None
         self.retryable = False  # the failure lost the connection before the call ran; running it again is safe
         self._driver = driver
+        self._real_driver = driver is None  # tests pass a fake driver: no native session then
         self._lanes_wanted = lanes or DEFAULT_LANES
         self._ring_pref = ring  # None: CACHE_DIT_OPD_RING decides
         self._host = 0
@@ -455,6 +529,8 @@ class Session:
         self.catalog: dict[tuple[str, str], str] = {}
         self.transport = None
         self.regions: _regions.RegionTable | None = None
+        self._native: _native.NativeSession | None = None  # with _NativeTransport
+        self._dev_base = 0
 
     # -- open ---------------------------------------------------------------------------
     @property
@@ -519,8 +595,12 @@ class Session:
         except BaseException:
             self._abandon()
             raise
+        n = self._native
         self.regions = _regions.RegionTable(self._register_region, self._unregister_region, self._driver,
-                                            self.device_index)
+                                            self.device_index,
+                                            on_add=n and (lambda r: n.add_region(r.base, r.size, r.buffer_id,
+                                                                                 r.region_id)),
+                                            on_forget=n and (lambda r: n.forget_region(r.base)))
         self._watcher = threading.Thread(target=self._watch, name=f"cache_dit_opd-watch-{r.session_id}", daemon=True)
         self._watcher.start()
         _live_sessions.add(self)
@@ -528,11 +608,22 @@ class Session:
                   self.transport.name)
         return self
 
-    def _ring_transport(self, r, grpc_transport: _GrpcTransport) -> _RingTransport:
+    def _ring_transport(self, r, grpc_transport: _GrpcTransport):
         h = _layout.read_header(self._mm)
         if not h["ring_offset"] or not h["ring_bytes"]:
             raise SessionFailedError(f"OpenSession granted the call ring but the session memory holds none "
                                      f"(ring_offset {h['ring_offset']}, ring_bytes {h['ring_bytes']})")
+        lib = _native.library() if self._real_driver and self._torch_streams else None
+        if lib is not None:
+            try:
+                self._native = _native.NativeSession(
+                    lib, device=self.device_index, memory=self._host, memory_bytes=len(self._mm),
+                    device_base=self._dev_base, session_id=r.session_id, lanes=r.lanes,
+                    daemon_pidfd=os.dup(self._pidfd) if self._pidfd is not None else None,
+                    spin_s=_ring.SPIN_S, call_timeout_s=CALL_TIMEOUT_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+            except RuntimeError as e:
+                raise SessionFailedError(f"daemon at {self.target}: {e}") from None
+            return _NativeTransport(self._native, r.catalog, self)
         try:
             producer = _ring.RingProducer(self._host + h["ring_offset"], h["ring_bytes"], liveness=self._liveness)
         except ValueError as e:
@@ -642,6 +733,7 @@ class Session:
         self._hb_value = self._hb.value
         self._hb_seen = time.monotonic()
         dev = drv.mem_host_get_device_pointer(host)
+        self._dev_base = dev
         self._lanes = [
             _Lane(i, host + lo + i * _layout.LANE_STRIDE, dev + lo + i * _layout.LANE_STRIDE)
             for i in range(h["lane_count"])
@@ -668,7 +760,15 @@ class Session:
         """Checks ``{"name[.overload]": "(args) -> rets"}`` against the daemon's catalog (cached)."""
         key = id(schemas)  # each domain passes its module-level table
         if key not in self._checked:
-            self._checked[key] = self._compare(schemas)
+            self._checked[key] = err = self._compare(schemas)
+            if err is None and self._native is not None:
+                # The native kernels may now run these ops on this session.
+                for full in schemas:
+                    name, _, overload = full.partition(".")
+                    idx = self.transport.op_index(name, overload)
+                    if idx is not None:
+                        self._native.set_op(full, idx)
+                self._native.activate()
         err = self._checked[key]
         if err is not None:
             raise err
@@ -875,6 +975,8 @@ class Session:
                       regions=None) -> None:
         """Under the lane's lock: take seq, enqueue ``inputs_ready := seq``, send or publish the call, and enqueue
         ``wait done >= seq`` (after the acceptance in synchronous mode, after the publish in asynchronous mode)."""
+        if self._native is not None:
+            return self.transport.call_on_stream(op, overload, args, stream, asynchronous, regions)
         drv = self.driver
         lane = self._acquire_lane(stream)
         try:
@@ -947,9 +1049,14 @@ class Session:
                 pass
         return self._heartbeat_lost()
 
+    def _lanes_behind(self) -> bool:
+        """Some stream of ours still waits for a ``done`` the daemon has not written."""
+        if self._native is not None:
+            return self._native.state()["lanes_behind"]
+        return any(l.done() < l.waited for l in self._lanes)
+
     def _work_outstanding(self) -> bool:
-        return any(l.done() < l.waited for l in self._lanes) or (self.transport is not None
-                                                                 and self.transport.in_flight() > 0)
+        return self._lanes_behind() or (self.transport is not None and self.transport.in_flight() > 0)
 
     # -- failure --------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -966,6 +1073,9 @@ class Session:
             self.retryable = retryable or daemon_dead
         if not self._closing:
             log.warning("%s", self.failed)
+        if self._native is not None:
+            self._native.fail(self.failed)
+            self._native.activate(False)
         self._flush_async_errors()
         if daemon_dead:
             self._release_waits()
@@ -978,6 +1088,8 @@ class Session:
     def _release_waits(self) -> int:
         """Writes every lane's ``done`` up to its last issued call from the host; returns calls lost."""
         lost = 0
+        if self._native is not None:
+            lost = self._native.release_from_host(f"the daemon at {self.target} is gone")
         for lane in self._lanes:
             done = lane.done()
             lost += max(0, lane.waited - done)  # accepted calls whose outputs were handed out
@@ -998,7 +1110,7 @@ class Session:
         a completion are reported too, unless the lost-calls report covers them.
         """
         t = self.transport
-        if not isinstance(t, _RingTransport):
+        if not isinstance(t, (_RingTransport, _NativeTransport)):
             return
         try:
             for err in t.ready_errors():
@@ -1043,7 +1155,7 @@ class Session:
         # after DRAIN_TIMEOUT_S, the host writes every pending "done".
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         dead = False
-        while not all(l.done() >= l.waited for l in self._lanes):
+        while self._lanes_behind():
             if self._daemon_exited(0.01) or time.monotonic() > deadline:
                 dead = True
                 break
@@ -1112,6 +1224,9 @@ class Session:
         )
 
     def lanes_state(self) -> list[dict]:
+        if self._native is not None:
+            return [dict(self._native.lane(i), lane=i, waited=None, stream=None)
+                    for i in range(self._native.state()["lanes"])]
         return [{"lane": l.index, "issued": l.issued, "waited": l.waited, "inputs_ready": l.inputs_ready(),
                  "done": l.done(),
                  "stream": l.stream} for l in self._lanes]

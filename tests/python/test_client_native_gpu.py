@@ -1,0 +1,196 @@
+"""The native half of the client (``_native``, ``client/proxy/``) on a GPU against the real daemon.
+
+The ring GPU suite (test_client_ring_gpu.py) and the end-to-end suite run
+through whatever path the client picks; with the native library built that
+is the native one. These tests pin what only the native path does: the
+``.out`` ops run without entering Python (counted), each case that needs
+Python is handed over and counted by reason, and the C++ encoder sends
+exactly the call the Python encoder sends (bitwise equal outputs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _client_fixtures as fx
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+import cache_dit_opd  # noqa: E402
+from cache_dit_opd import _native, _proxy, _session, kernels  # noqa: E402
+from test_client_ring_gpu import _mode, _session0, _sync_mode, daemon  # noqa: E402,F401
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+OPS = torch.ops.cache_dit_cuda_ops
+
+
+@pytest.fixture
+def native(daemon):  # noqa: F811
+    if _native.library() is None:
+        pytest.skip(f"native library not available: {_native.load_error()}")
+    s = _session0()
+    assert s._native is not None, "a ring session with the native library must use the native producer"
+    return s
+
+
+def _state(s):
+    torch.cuda.synchronize()
+    return s._native.state()
+
+
+def test_out_overloads_have_the_native_cuda_kernel(native):
+    for op in ("fp8_comm_per_token_quant.out", "fused_merge_attn_states.out"):
+        dump = torch._C._dispatch_dump(f"cache_dit_cuda_ops::{op}")
+        assert "proxy_kernel.cpp" in dump.split("CUDA: registered at", 1)[1].splitlines()[0], dump
+        assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" in dump, dump
+    # functional overloads keep the Python impl on CUDA
+    dump = torch._C._dispatch_dump("cache_dit_cuda_ops::fp8_comm_per_token_quant")
+    assert "_comm.py" in dump.split("CUDA: registered at", 1)[1].splitlines()[0], dump
+
+
+@pytest.mark.parametrize("mode", ("sync", "async"))
+def test_out_calls_run_natively_and_equal_the_python_path(native, mode):
+    s = native
+    x = torch.randn(64, 3, 128, device="cuda", dtype=BF16)
+    q_native = torch.empty(64, 3, 130, device="cuda", dtype=FP8)
+    q_python = torch.empty_like(q_native)
+    OPS.fp8_comm_per_token_quant.out(x, out=q_native)  # registers the regions (through Python once)
+    before = _state(s)
+    n = 50
+    with _mode(mode):
+        for _ in range(n):
+            OPS.fp8_comm_per_token_quant.out(x, out=q_native)
+        s.call("fp8_comm_per_token_quant", [x, q_python])  # the Python encoder, same producer
+    cache_dit_opd.synchronize()
+    after = _state(s)
+    assert after["native_calls"] - before["native_calls"] == n
+    assert after["fallbacks"] == before["fallbacks"], (before, after)
+    assert after["published"] - before["published"] == n + 1
+    assert torch.equal(q_native.view(torch.uint8), q_python.view(torch.uint8))
+    torch.testing.assert_close(fx.ref_per_token_dequant(q_native).float(), x.float(), atol=0.2, rtol=0.1)
+
+
+def test_merge_with_strided_lse_runs_natively(native):
+    s = native
+    b, sq, h, d = 1, 96, 4, 64
+    po, so = (torch.randn(b, sq, h, d, device="cuda", dtype=BF16) for _ in range(2))
+    pl = torch.randn(b, h, sq, device="cuda").permute(0, 2, 1).unsqueeze(-1)  # flash-attn [B, H, S] view
+    sl = torch.randn(b, h, sq, device="cuda").permute(0, 2, 1).unsqueeze(-1)
+    out, lse = torch.empty_like(po), torch.empty(b, sq, h, 1, device="cuda")
+    OPS.fused_merge_attn_states.out(po, pl, so, sl, out=out, lse=lse)
+    before = _state(s)
+    r = OPS.fused_merge_attn_states.out(po, pl, so, sl, out=out, lse=lse)
+    after = _state(s)
+    assert after["native_calls"] == before["native_calls"] + 1
+    assert r[0] is out and r[1] is lse  # the .out overload returns its outputs
+    want_out, want_lse = fx.ref_merge(po, pl, so, sl)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.float(), want_lse.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_new_allocation_goes_through_python_once(native):
+    s = native
+    x = torch.randn(256, 64, device="cuda", dtype=BF16)
+    # Own segments (>= 10 MiB each: the caching allocator gives them their own cudaMalloc).
+    big = torch.empty(12 << 20, device="cuda", dtype=torch.uint8)
+    q = big[: 256 * 66].view(FP8).view(256, 66)
+    before = _state(s)
+    OPS.fp8_comm_per_token_quant.out(x, out=q)
+    mid = _state(s)
+    OPS.fp8_comm_per_token_quant.out(x, out=q)
+    after = _state(s)
+    assert mid["fallbacks"]["region_miss"] == before["fallbacks"]["region_miss"] + 1
+    assert mid["native_calls"] == before["native_calls"]
+    assert after["native_calls"] == mid["native_calls"] + 1
+    assert after["fallbacks"]["region_miss"] == mid["fallbacks"]["region_miss"]
+
+
+def test_a_rejected_sync_call_raises_what_the_python_path_raises(native):
+    s = native
+    x = torch.randn(8, 64, device="cuda", dtype=BF16)
+    bad = torch.empty(8, 66, device="cuda", dtype=BF16)  # wrong dtype: the daemon refuses it
+    before = _state(s)
+    with pytest.raises(ValueError, match="out must have dtype"):
+        OPS.fp8_comm_per_token_quant.out(x, out=bad)
+    after = _state(s)
+    assert after["fallbacks"]["rejected"] == before["fallbacks"]["rejected"] + 1
+    q = torch.empty(8, 66, device="cuda", dtype=FP8)
+    OPS.fp8_comm_per_token_quant.out(x, out=q)  # the lane goes on
+    OPS.fp8_comm_per_token_quant.out(x, out=q)
+    assert _state(s)["native_calls"] >= after["native_calls"] + 1
+
+
+def test_an_async_rejection_is_raised_by_the_next_call_then_reported_once(native):
+    s = native
+    x = torch.randn(8, 64, device="cuda", dtype=BF16)
+    q = torch.empty(8, 66, device="cuda", dtype=FP8)
+    bad = torch.empty(8, 66, device="cuda", dtype=BF16)
+    OPS.fp8_comm_per_token_quant.out(x, out=q)
+    with _mode("async"):
+        OPS.fp8_comm_per_token_quant.out(x, out=bad)  # native: published, rejected later by the daemon
+        torch.cuda.synchronize()
+        before = _state(s)
+        with pytest.raises(ValueError, match=r"(?s)rejected by the daemon.*asynchronous call"):
+            OPS.fp8_comm_per_token_quant.out(x, out=q)
+        assert _state(s)["fallbacks"]["pending_errors"] == before["fallbacks"]["pending_errors"] + 1
+        OPS.fp8_comm_per_token_quant.out(x, out=q)  # reported once: this one runs
+    cache_dit_opd.synchronize()
+    torch.testing.assert_close(fx.ref_per_token_dequant(q).float(), x.float(), atol=0.2, rtol=0.1)
+
+
+def test_graph_capture_is_refused_by_the_python_path(native):
+    s = native
+    x = torch.randn(8, 64, device="cuda", dtype=BF16)
+    q = torch.empty(8, 66, device="cuda", dtype=FP8)
+    OPS.fp8_comm_per_token_quant.out(x, out=q)
+    torch.cuda.synchronize()
+    before = s._native.state()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(g):
+            OPS.fp8_comm_per_token_quant.out(x, out=q)
+    assert s._native.state()["fallbacks"]["capturing"] == before["fallbacks"]["capturing"] + 1
+    OPS.fp8_comm_per_token_quant.out(x, out=q)  # and afterwards the session still serves
+
+
+def test_pure_python_client_in_a_subprocess_gives_the_same_bytes(native, daemon):  # noqa: F811
+    """CACHE_DIT_OPD_NATIVE=0: the same calls through the pure-Python client are bitwise the same."""
+    code = r"""
+import hashlib, sys, torch
+sys.path.insert(0, {tests!r})
+from cache_dit_opd import _native, _session
+torch.manual_seed(0)
+x = torch.randn(64, 3, 128, device="cuda", dtype=torch.bfloat16)
+q = torch.empty(64, 3, 130, device="cuda", dtype=torch.float8_e4m3fn)
+torch.ops.cache_dit_cuda_ops.fp8_comm_per_token_quant.out(x, out=q)
+torch.cuda.synchronize()
+print(_native.library() is not None, _session.get_session(0)._native is not None,
+      hashlib.sha256(q.view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
+"""
+    outs = {}
+    for flag in ("1", "0"):
+        r = fx.run_python(code.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=daemon.address, CACHE_DIT_OPD_NATIVE=flag)
+        assert r.returncode == 0, r.stderr
+        outs[flag] = r.stdout.split()
+    assert outs["1"][:2] == ["True", "True"] and outs["0"][:2] == ["False", "False"], outs
+    assert outs["1"][2] == outs["0"][2]
+
+
+def test_functional_overloads_validate_in_python_then_run_natively(native):
+    s = native
+    x = torch.randn(32, 128, device="cuda", dtype=BF16)
+    kernels.fp8_comm_per_token_quant(x)  # the first output allocation may need a region
+    before = _state(s)
+    q = kernels.fp8_comm_per_token_quant(x)
+    y = kernels.fp8_comm_per_token_dequant(q)
+    after = _state(s)
+    assert after["native_calls"] - before["native_calls"] + sum(after["fallbacks"].values()) \
+        - sum(before["fallbacks"].values()) == 2
+    assert after["native_calls"] > before["native_calls"]
+    torch.testing.assert_close(y.float(), x.float(), atol=0.2, rtol=0.1)
+    with pytest.raises(ValueError, match="x must be bfloat16"):  # Python's checks, before any call
+        kernels.fp8_comm_per_token_quant(x.float())
