@@ -1,0 +1,92 @@
+"""The native library (``_native``, ``client/proxy/``) on the CPU: loading, registration, refusals.
+
+What runs calls (the native kernels, the producer and lanes) needs a GPU and
+is tested in test_client_native_gpu.py; the producer and encoder against the
+daemon's consumer are tested in C++ (tests/cpp/server/ring_producer_test.cc).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import _client_fixtures as fx
+from cache_dit_opd import _native, _proxy, kernels  # noqa: F401  (kernels: the ops are defined)
+
+needs_library = pytest.mark.skipif(_native.library() is None, reason=f"native library not built: "
+                                                                     f"{_native.load_error()}")
+
+
+def _cuda_kernel_source(qualname: str) -> str:
+    dump = torch._C._dispatch_dump(qualname)
+    return dump.split("CUDA: registered at", 1)[1].splitlines()[0]
+
+
+@needs_library
+def test_library_matches_this_client():
+    lib = _native.library()
+    assert lib.opd_native_abi_version() == _native.ABI_VERSION
+    assert _native.load_error() is None
+
+
+@needs_library
+def test_out_overloads_get_the_native_kernel_and_keep_python_behind_it():
+    for op in ("fp8_comm_per_token_quant.out", "fp8_comm_qkv_permute_dequant.out", "fused_merge_attn_states.out"):
+        q = f"cache_dit_cuda_ops::{op}"
+        assert "client/proxy/proxy_kernel.cpp" in _cuda_kernel_source(q)
+        assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" in torch._C._dispatch_dump(q)
+        assert _proxy.native_out(op.split(".")[0]) is not None
+    assert "_comm.py" in _cuda_kernel_source("cache_dit_cuda_ops::fp8_comm_per_token_quant")
+
+
+@needs_library
+def test_register_kernel_refuses_what_it_cannot_serve():
+    assert "is not defined" in _native.register_kernel("no_such_op.out")
+    why = _native.register_kernel("fp8_comm_per_token_quant")  # functional: returns a new tensor
+    assert why is not None and "does not alias a mutable argument" in why
+
+
+@needs_library
+def test_a_session_without_a_driver_or_memory_is_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="native session: .+"):
+        _native.NativeSession(_native.library(), device=0, memory=0, memory_bytes=0, device_base=0, session_id=1,
+                              lanes=1, daemon_pidfd=None, spin_s=0, call_timeout_s=1, heartbeat_timeout_s=0)
+
+
+def test_native_off_keeps_the_client_pure_python():
+    code = r"""
+import torch
+from cache_dit_opd import _native, _proxy, kernels
+dump = torch._C._dispatch_dump("cache_dit_cuda_ops::fp8_comm_per_token_quant.out")
+print(_native.library() is None, "PrivateUse1" in dump, _proxy.native_out("fp8_comm_per_token_quant") is None)
+print(_native.load_error())
+"""
+    r = fx.run_python(code, CACHE_DIT_OPD_NATIVE="0")
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()[:2]
+    assert first == "True False True", r.stdout
+    assert "CACHE_DIT_OPD_NATIVE=0" in second
+
+
+def test_a_missing_library_is_named_with_where_it_was_looked_for(tmp_path):
+    import shutil
+
+    pkg = tmp_path / "site" / "cache_dit_opd"  # a copy with no build folder next to it
+    shutil.copytree(fx.PACKAGE_DIR, pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    code = r"""
+from cache_dit_opd import _native, _proxy, kernels
+print(_native.library() is None, _proxy.native_out("fp8_comm_per_token_quant") is None)
+print(_native.load_error())
+"""
+    env = dict(os.environ, PYTHONPATH=str(pkg.parent), CACHE_DIT_OPD_NATIVE_LIB="/nonexistent/lib.so",
+               CACHE_DIT_OPD_BUILD_DIR="/nonexistent")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()[:2]
+    assert first == "True True", r.stdout
+    assert "libcache_dit_opd_native.so not found" in second and "/nonexistent/client/proxy" in second, second
