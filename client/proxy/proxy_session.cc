@@ -81,6 +81,10 @@ bool ProxySession::FindRegion(const void* ptr, uint64_t nbytes, uint64_t* region
 
 Status ProxySession::Call(void* stream, uint32_t op_index, const RecordArgs& args, bool asynchronous,
                           const uint64_t* regions, size_t nregions, int32_t* code, std::string* message) {
+  // The caller's current device may be another one: the lane's fence event
+  // and stream operations belong to this session's device.
+  DeviceGuard device(config_.device);
+  OPD_RETURN_IF_ERROR(device.status());
   RingCompletion answer;
   *code = 0;
   Status s = lanes_->Issue(stream, IssueOptions{}, [&](uint32_t lane, uint64_t seq) -> Status {

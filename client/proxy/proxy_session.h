@@ -89,8 +89,9 @@ class ProxySession {
   bool FindRegion(const void* ptr, uint64_t nbytes, uint64_t* region_id, uint64_t* offset);
 
   // -- calls ---------------------------------------------------------------------
-  // Runs one call on `stream`'s lane: inputs_ready, record, (synchronous:
-  // wait for the answer), wait on done. Returns OK with *code = the daemon's
+  // Runs one call on `stream` (a stream of this session's device, whatever
+  // device is current) on its lane: inputs_ready, record, (synchronous: wait
+  // for the answer), wait on done. Returns OK with *code = the daemon's
   // answer (0 accepted; synchronous calls only), or the transport failure
   // (UNAVAILABLE / DEADLINE_EXCEEDED / INTERNAL); then the session is failed.
   Status Call(void* stream, uint32_t op_index, const RecordArgs& args, bool asynchronous, const uint64_t* regions,

@@ -194,3 +194,54 @@ def test_functional_overloads_validate_in_python_then_run_natively(native):
     torch.testing.assert_close(y.float(), x.float(), atol=0.2, rtol=0.1)
     with pytest.raises(ValueError, match="x must be bfloat16"):  # Python's checks, before any call
         kernels.fp8_comm_per_token_quant(x.float())
+
+
+MULTI_GPU_WORKER = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+import _client_fixtures as fx
+from cache_dit_opd import _session
+ops = torch.ops.cache_dit_cuda_ops
+torch.cuda.set_device(0)  # the current device stays 0 while cuda:1's daemon serves its calls
+for dev in ("cuda:1", "cuda:0"):
+    x = torch.randn(128, 3, 64, device=dev, dtype=torch.bfloat16)
+    q = torch.empty(128, 3, 66, device=dev, dtype=torch.float8_e4m3fn)
+    for _ in range(20):
+        ops.fp8_comm_per_token_quant.out(x, out=q)
+    torch.cuda.synchronize(dev)
+    ok = torch.equal(q.cpu().view(torch.uint8), fx.ref_per_token_quant(x.cpu()).view(torch.uint8))
+    st = _session.get_session(torch.device(dev).index)._native.state()
+    print(dev, ok, st["native_calls"], torch.cuda.current_device())
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_each_gpu_has_its_daemon_and_calls_run_natively_whatever_device_is_current():
+    import os
+    import shutil
+
+    from cache_dit_opd import _discovery
+
+    run = fx.short_tmpdir()
+    daemons = []
+    try:
+        for idx in (0, 1):
+            d = fx.RealDaemon(os.path.join(run, f"d{idx}"), idx)
+            os.makedirs(d.dir, exist_ok=True)
+            d.socket = os.path.join(run, f"{_discovery.gpu_uuid(idx)}.sock")  # found by GPU UUID
+            d.address = "unix:" + d.socket
+            d.args[d.args.index("--socket") + 1] = d.socket
+            daemons.append(d.start())
+        r = fx.run_python(MULTI_GPU_WORKER.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=None,
+                          CACHE_DIT_OPD_RUNTIME_DIR=run, timeout=180)
+        assert r.returncode == 0, r.stderr
+        lines = [l.split() for l in r.stdout.splitlines()]
+        assert [l[0] for l in lines] == ["cuda:1", "cuda:0"], r.stdout
+        for dev, ok, native_calls, current in lines:
+            assert ok == "True", f"{dev}: records differ from the reference"
+            assert int(native_calls) >= 19, f"{dev}: {native_calls} native calls of 20"
+            assert current == "0"
+    finally:
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(run, ignore_errors=True)
