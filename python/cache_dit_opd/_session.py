@@ -621,9 +621,10 @@ class Session:
                     device_base=self._dev_base, session_id=r.session_id, lanes=r.lanes,
                     daemon_pidfd=os.dup(self._pidfd) if self._pidfd is not None else None,
                     spin_s=_ring.SPIN_S, call_timeout_s=CALL_TIMEOUT_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
-            except RuntimeError as e:
-                raise SessionFailedError(f"daemon at {self.target}: {e}") from None
-            return _NativeTransport(self._native, r.catalog, self)
+            except RuntimeError as e:  # the same calls, through the pure-Python producer
+                log.warning("%s; this session uses the pure-Python client", e)
+            else:
+                return _NativeTransport(self._native, r.catalog, self)
         try:
             producer = _ring.RingProducer(self._host + h["ring_offset"], h["ring_bytes"], liveness=self._liveness)
         except ValueError as e:
