@@ -27,11 +27,60 @@ std::shared_ptr<ProxySession> Find(int64_t h) {
   return it == g_sessions.end() ? nullptr : it->second;
 }
 
+// Runs `f` so that no exception crosses into ctypes: `failed` when it throws.
+template <typename F, typename R>
+R NoThrow(F&& f, R failed) noexcept {
+  try {
+    return f();
+  } catch (...) {
+    return failed;
+  }
+}
+
 void CopyOut(const std::string& s, char* buf, size_t len) {
   if (buf == nullptr || len == 0) return;
   const size_t n = std::min(s.size(), len - 1);
   std::memcpy(buf, s.data(), n);
   buf[n] = '\0';
+}
+
+}  // namespace
+
+// One rejected asynchronous call (struct OpdRejected in _native.py).
+struct OpdRejected {
+  uint64_t ticket;
+  uint64_t seq;
+  uint32_t lane;
+  uint32_t op_index;
+  int32_t code;
+  uint32_t nregions;
+  uint64_t regions[32];
+  char message[256];
+};
+
+namespace {
+
+int TakeRejected(ProxySession& s, int wait, OpdRejected* out, int max) {
+  int rc = 0;
+  if (wait) {
+    Status st = s.WaitConsumed();
+    if (!st.ok()) rc = -static_cast<int>(st.code());
+  }
+  if (max <= 0 || !s.HasRejected()) return rc;
+  std::vector<RejectedCall> got = s.TakeRejected(static_cast<size_t>(max));
+  int n = 0;
+  for (RejectedCall& r : got) {
+    OpdRejected& o = out[n++];
+    o.ticket = r.ticket;
+    o.seq = r.seq;
+    o.lane = r.lane;
+    o.op_index = r.op_index;
+    o.code = r.code;
+    o.nregions = static_cast<uint32_t>(std::min<size_t>(r.regions.size(), 32));
+    std::copy_n(r.regions.begin(), o.nregions, o.regions);
+    CopyOut(r.message, o.message, sizeof(o.message));
+  }
+  return rc < 0 && n == 0 ? rc : n;
 }
 
 }  // namespace
@@ -91,14 +140,16 @@ __attribute__((visibility("default"))) int64_t opd_native_open(int device, void*
 // Makes the session the one the native kernels use for its device (active=1)
 // or stops that (active=0).
 __attribute__((visibility("default"))) int opd_native_activate(int64_t h, int active) {
-  auto s = Find(h);
-  if (!s) return -1;
-  if (active) {
-    SetActiveProxySession(s->device(), s);
-  } else {
-    ClearActiveProxySession(s->device(), s.get());
-  }
-  return 0;
+  return NoThrow([&] {
+    auto s = Find(h);
+    if (!s) return -1;
+    if (active) {
+      SetActiveProxySession(s->device(), s);
+    } else {
+      ClearActiveProxySession(s->device(), s.get());
+    }
+    return 0;
+  }, -1);
 }
 
 // Deactivates and drops the handle (the object lives while a call holds it).
@@ -116,18 +167,22 @@ __attribute__((visibility("default"))) void opd_native_close(int64_t h) {
 
 __attribute__((visibility("default"))) int opd_native_set_op(int64_t h, const char* name_overload,
                                                            uint32_t op_index) {
-  auto s = Find(h);
-  if (!s) return -1;
-  s->SetOp(name_overload, op_index);
-  return 0;
+  return NoThrow([&] {
+    auto s = Find(h);
+    if (!s) return -1;
+    s->SetOp(name_overload, op_index);
+    return 0;
+  }, -1);
 }
 
 __attribute__((visibility("default"))) int opd_native_add_region(int64_t h, uint64_t base, uint64_t size,
                                                                uint64_t buffer_id, uint64_t region_id) {
-  auto s = Find(h);
-  if (!s) return -1;
-  s->AddRegion(base, size, buffer_id, region_id);
-  return 0;
+  return NoThrow([&] {
+    auto s = Find(h);
+    if (!s) return -1;
+    s->AddRegion(base, size, buffer_id, region_id);
+    return 0;
+  }, -1);
 }
 
 __attribute__((visibility("default"))) int opd_native_forget_region(int64_t h, uint64_t base) {
@@ -170,18 +225,6 @@ __attribute__((visibility("default"))) int opd_native_call(int64_t h, void* stre
   }
 }
 
-// One rejected asynchronous call (struct OpdRejected in _native.py).
-struct OpdRejected {
-  uint64_t ticket;
-  uint64_t seq;
-  uint32_t lane;
-  uint32_t op_index;
-  int32_t code;
-  uint32_t nregions;
-  uint64_t regions[32];
-  char message[256];
-};
-
 // Takes up to `max` rejected asynchronous calls, oldest first (after
 // consuming what has arrived; wait=1 first waits for every record in
 // flight). Returns how many were written (call again while it equals max),
@@ -190,26 +233,7 @@ __attribute__((visibility("default"))) int opd_native_take_rejected(int64_t h, i
                                                                   int max) {
   auto s = Find(h);
   if (!s) return 0;
-  int rc = 0;
-  if (wait) {
-    Status st = s->WaitConsumed();
-    if (!st.ok()) rc = -static_cast<int>(st.code());
-  }
-  if (max <= 0 || !s->HasRejected()) return rc;
-  std::vector<RejectedCall> got = s->TakeRejected(static_cast<size_t>(max));
-  int n = 0;
-  for (RejectedCall& r : got) {
-    OpdRejected& o = out[n++];
-    o.ticket = r.ticket;
-    o.seq = r.seq;
-    o.lane = r.lane;
-    o.op_index = r.op_index;
-    o.code = r.code;
-    o.nregions = static_cast<uint32_t>(std::min<size_t>(r.regions.size(), 32));
-    std::copy_n(r.regions.begin(), o.nregions, o.regions);
-    CopyOut(r.message, o.message, sizeof(o.message));
-  }
-  return rc < 0 && n == 0 ? rc : n;
+  return NoThrow([&] { return TakeRejected(*s, wait, out, max); }, -13);
 }
 
 __attribute__((visibility("default"))) void opd_native_fail(int64_t h, const char* reason) {
