@@ -1,4 +1,5 @@
 #include <grpcpp/grpcpp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,6 +15,8 @@
 #include "client/discovery.h"
 #include "client/monitor.h"
 #include "client/opd_client.h"
+#include "client/ring_producer.h"
+#include "client/ring_record.h"
 #include "client/session_channel.h"
 
 namespace cache_dit_opd::client {
@@ -62,6 +65,52 @@ Clock::time_point DeadlineIn(int ms) { return Clock::now() + std::chrono::millis
 int RemainingMs(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return left > 0 ? static_cast<int>(left) : 0;
+}
+
+bool RingWantedByEnv() {
+  const char* v = std::getenv("CACHE_DIT_OPD_RING");
+  if (v == nullptr) return true;
+  const std::string s(v);
+  return !(s == "0" || s == "false" || s == "off" || s == "no");
+}
+
+// The record arguments of an encoded call (the daemon decodes both forms
+// into the same CallRequest). False when they do not fit one record.
+bool ToRecord(const pb::CallRequest& req, RecordArgs* out) {
+  out->Clear();
+  for (const pb::Argument& a : req.args()) {
+    bool ok = false;
+    switch (a.value_case()) {
+      case pb::Argument::kTensor: {
+        const pb::TensorRef& t = a.tensor();
+        if (t.sizes_size() != t.strides_size()) return false;
+        ok = out->AddTensor(t.region_id(), t.byte_offset(), static_cast<DType>(static_cast<int>(t.dtype())),
+                            static_cast<size_t>(t.sizes_size()), t.sizes().data(), t.strides().data());
+        break;
+      }
+      case pb::Argument::kIntValue: ok = out->AddInt(a.int_value()); break;
+      case pb::Argument::kFloatValue: ok = out->AddFloat(a.float_value()); break;
+      case pb::Argument::kBoolValue: ok = out->AddBool(a.bool_value()); break;
+      case pb::Argument::kIntList:
+        ok = out->AddIntList(a.int_list().values().data(), a.int_list().values_size());
+        break;
+      case pb::Argument::kFloatList:
+        ok = out->AddFloatList(a.float_list().values().data(), a.float_list().values_size());
+        break;
+      case pb::Argument::kBoolList: {
+        const auto& v = a.bool_list().values();
+        bool b[kMaxListLength];
+        if (v.size() > kMaxListLength) return false;
+        std::copy(v.begin(), v.end(), b);
+        ok = out->AddBoolList(b, v.size());
+        break;
+      }
+      case pb::Argument::kNone: ok = out->AddNone(); break;
+      default: return false;
+    }
+    if (!ok) return false;
+  }
+  return true;
 }
 
 std::string OpName(std::string_view op, std::string_view overload) {
@@ -119,6 +168,10 @@ class Session final : public RegionRegistrar {
   bool watched_ = false;
   std::unique_ptr<CudaAllocationBackend> backend_;
   std::unique_ptr<RegionCache> regions_;
+  // With the ring: its producer (over core_->memory) and "op.overload" ->
+  // catalog index, the record's op_index.
+  std::unique_ptr<RingProducer> ring_;
+  std::unordered_map<std::string, uint32_t> op_index_;
   std::atomic<bool> shut_down_{false};
 };
 
@@ -143,6 +196,7 @@ Status Session::Open(const ClientOptions& o, const std::string& gpu_uuid, const 
   req.set_gpu_uuid(gpu_uuid);
   req.set_lanes(o.lanes == 0 ? 1 : o.lanes);
   req.set_client_name(o.client_name.substr(0, 128));
+  req.set_want_ring(o.use_ring && RingWantedByEnv());
   pb::OpenSessionReply reply;
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
@@ -186,6 +240,7 @@ Status Session::Init(const pb::OpenSessionReply& reply, const DriverApi* api, Cl
   for (const pb::OpSchema& op : reply.catalog()) {
     info_.catalog.push_back(OpEntry{op.name(), op.overload(), op.schema()});
     served_.insert(OpName(op.name(), op.overload()));
+    op_index_.emplace(OpName(op.name(), op.overload()), static_cast<uint32_t>(info_.catalog.size() - 1));
   }
 
   auto core = std::make_shared<SessionCore>();
@@ -235,6 +290,29 @@ Status Session::Init(const pb::OpenSessionReply& reply, const DriverApi* api, Cl
   }
   core->ops = std::make_unique<CudaLaneOps>(api, options_.device, core->memory.get(), dev);
   core->lanes = std::make_unique<LaneTable>(core->memory.get(), core->ops.get());
+  info_.transport = "grpc";
+  if (reply.ring_enabled()) {
+    const auto* h = static_cast<const v1::SessionMemoryHeader*>(core->memory->base());
+    if (h->ring_offset == 0 || h->ring_bytes == 0) {
+      return Status::Internal("OpenSession granted the call ring but the session memory holds none");
+    }
+    RingProducer::Options ro;
+    if (options_.call_timeout_ms > 0) ro.timeout = std::chrono::milliseconds(options_.call_timeout_ms);
+    // A wait ends when the monitor failed the lanes (daemon gone, session
+    // ended) or the daemon process exited.
+    SessionCore* c = core.get();
+    auto liveness = [c]() -> Status {
+      if (c->lanes->failed()) return c->lanes->failure();
+      if (c->daemon_pidfd.valid()) {
+        pollfd p{c->daemon_pidfd.get(), POLLIN, 0};
+        if (::poll(&p, 1, 0) > 0) return Status::Unavailable("the daemon process exited");
+      }
+      return Status::Ok();
+    };
+    OPD_RETURN_IF_ERROR(RingProducer::Open(static_cast<uint8_t*>(core->memory->base()) + h->ring_offset,
+                                           h->ring_bytes, ro, std::move(liveness), &ring_));
+    info_.transport = "ring";
+  }
   backend_ = std::make_unique<CudaAllocationBackend>(api);
   regions_ = std::make_unique<RegionCache>(backend_.get(), this, options_.device);
   SessionMonitor* monitor = SessionMonitor::Get();
@@ -386,6 +464,25 @@ Status Session::Issue(pb::CallRequest& req, cudaStream_t stream, const CallOptio
   IssueOptions io;
   io.signal_inputs_ready = o.signal_inputs_ready;
   io.wait_done = o.wait_done;
+  RecordArgs record;
+  auto op = op_index_.find(OpName(req.op(), req.overload()));
+  if (ring_ && op != op_index_.end() && ToRecord(req, &record)) {
+    return core_->lanes->Issue(stream, io, [&](uint32_t lane, uint64_t seq) -> Status {
+      RingCompletion answer;
+      uint64_t ticket = 0;
+      Status s = ring_->Publish(lane, seq, op->second, record, &answer, nullptr, 0, &ticket);
+      if (s.ok()) s = ring_->Wait(ticket, &answer, std::chrono::milliseconds(timeout_ms));
+      if (s.ok() && answer.code != 0) {
+        s = Status(static_cast<StatusCode>(answer.code),
+                   "Call " + OpName(req.op(), req.overload()) + ": " + answer.message);
+      }
+      if (!KeepsSession(s.code())) {
+        Fail(Status(s.code(), s.message() + " (session " + std::to_string(id()) +
+                                  " failed; the next call opens a new one)"));
+      }
+      return s;
+    });
+  }
   return core_->lanes->Issue(stream, io, [&](uint32_t lane, uint64_t seq) -> Status {
     req.set_lane(lane);
     req.set_seq(seq);

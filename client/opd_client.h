@@ -107,6 +107,11 @@ struct ClientOptions {
   int rpc_timeout_ms = 30000;      // control RPCs: regions, stats, close
   int call_timeout_ms = 0;         // Call RPC deadline; 0 = none
   bool reconnect = true;           // a failed session is replaced by the next call
+  // Calls go through the session's shared-memory call ring when the daemon
+  // offers one (and CACHE_DIT_OPD_RING is not 0), over gRPC otherwise. Same
+  // semantics either way: a call returns once the daemon accepted or
+  // rejected it.
+  bool use_ring = true;
 };
 
 // CallOptions
@@ -118,7 +123,7 @@ struct ClientOptions {
 struct CallOptions {
   bool signal_inputs_ready = true;
   bool wait_done = true;
-  int timeout_ms = -1;  // Call RPC deadline; -1 = ClientOptions::call_timeout_ms; 0 = none
+  int timeout_ms = -1;  // Call deadline; -1 = ClientOptions::call_timeout_ms; 0 = none (ring: 600 s)
 };
 
 // OpEntry: one entry of the daemon's op catalog.
@@ -136,6 +141,7 @@ struct SessionInfo {
   int daemon_device = -1;     // the daemon's ordinal for it (informational)
   std::string target;         // gRPC target used
   std::string found_by;       // which discovery rule found it
+  std::string transport;      // "ring" or "grpc": how calls travel
   std::vector<OpEntry> catalog;
 };
 

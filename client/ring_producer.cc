@@ -71,8 +71,9 @@ bool RingProducer::Arrived(uint64_t t) const {
 }
 
 template <typename Cond>
-Status RingProducer::PollUntil(const Cond& cond, const std::string& what) {
+Status RingProducer::PollUntil(const Cond& cond, const std::string& what, std::chrono::nanoseconds timeout) {
   using Clock = std::chrono::steady_clock;
+  if (timeout.count() <= 0) timeout = options_.timeout;
   const auto start = Clock::now();
   // Spin: the daemon answers within microseconds of the doorbell.
   for (uint32_t n = 1;; ++n) {
@@ -82,7 +83,7 @@ Status RingProducer::PollUntil(const Cond& cond, const std::string& what) {
   }
   auto sleep = std::chrono::nanoseconds(kSleepMin);
   auto next_check = start;
-  const auto deadline = start + options_.timeout;
+  const auto deadline = start + timeout;
   while (true) {
     const auto now = Clock::now();
     if (now >= next_check) {
@@ -91,9 +92,9 @@ Status RingProducer::PollUntil(const Cond& cond, const std::string& what) {
         if (!s.ok()) return Status::Unavailable("while waiting for ", what, ": ", s.message());
       }
       if (now > deadline) {
-        return Status::DeadlineExceeded("no progress in ",
-                                        std::chrono::duration_cast<std::chrono::seconds>(options_.timeout).count(),
-                                        " s while waiting for ", what);
+        return Status::DeadlineExceeded(
+            "no progress in ", std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+            " ms while waiting for ", what);
       }
       next_check = now + kLivenessEvery;
     }
@@ -204,10 +205,10 @@ void RingProducer::HarvestLocked() {
   cursor_.store(cursor, std::memory_order_relaxed);
 }
 
-Status RingProducer::Wait(uint64_t ticket, RingCompletion* sync) {
+Status RingProducer::Wait(uint64_t ticket, RingCompletion* sync, std::chrono::nanoseconds timeout) {
   Status s = PollUntil(
       [&] { return sync->ready.load(std::memory_order_acquire) || Arrived(ticket); },
-      "the completion of ticket " + std::to_string(ticket));
+      "the completion of ticket " + std::to_string(ticket), timeout);
   std::lock_guard<std::mutex> lock(mu_);
   if (s.ok()) {
     HarvestLocked();

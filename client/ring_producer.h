@@ -89,9 +89,10 @@ class RingProducer {
   Status Publish(uint32_t lane, uint64_t seq, uint32_t op_index, const RecordArgs& args, RingCompletion* sync,
                  const uint64_t* regions, size_t nregions, uint64_t* ticket);
 
-  // Waits until `sync` holds the answer to `ticket`. On failure `sync` is
-  // detached from the record (its late answer is dropped).
-  Status Wait(uint64_t ticket, RingCompletion* sync);
+  // Waits until `sync` holds the answer to `ticket`, at most `timeout`
+  // (zero: Options::timeout). On failure `sync` is detached from the record
+  // (its late answer is dropped).
+  Status Wait(uint64_t ticket, RingCompletion* sync, std::chrono::nanoseconds timeout = {});
 
   // Consumes the completions that have arrived; true when rejected
   // asynchronous calls wait for TakeRejected(). Cheap when nothing arrived.
@@ -135,7 +136,7 @@ class RingProducer {
   void ReadLocked(Entry& e);
   // Spins, then sleeps, until cond() (see the file comment for the policy).
   template <typename Cond>
-  Status PollUntil(const Cond& cond, const std::string& what);
+  Status PollUntil(const Cond& cond, const std::string& what, std::chrono::nanoseconds timeout = {});
 
   uint8_t* ring_;
   uint32_t capacity_;

@@ -5,7 +5,7 @@
 //
 //   opd_client_bench [--device N] [--address A | --spawn-daemon PATH|auto]
 //                    [--ref-tool PATH|auto|none] [--op fp8_comm_per_token_quant]
-//                    [--shape 1,64] [--iters 2000] [--warmup 200]
+//                    [--shape 1,64] [--iters 2000] [--warmup 200] [--transport ring|grpc]
 //
 // Figures (microseconds, p50/p99/mean/min/max over --iters calls after
 // --warmup calls):
@@ -94,7 +94,8 @@ int main(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "-h" || a == "--help") {
       std::cerr << "usage: opd_client_bench [--device N] [--address A | --spawn-daemon PATH|auto] "
-                   "[--ref-tool PATH|auto|none] [--op OP] [--shape 1,64] [--iters N] [--warmup N]\n";
+                   "[--ref-tool PATH|auto|none] [--op OP] [--shape 1,64] [--iters N] [--warmup N] "
+                   "[--transport ring|grpc]\n";
       return 0;
     }
     if (a.rfind("--", 0) != 0 || i + 1 >= argc) return Die("bad argument " + a);
@@ -156,6 +157,9 @@ int main(int argc, char** argv) {
   o.address = address;
   o.lanes = 1;
   o.client_name = "opd_client_bench";
+  const std::string transport = f.count("transport") ? f["transport"] : "ring";
+  if (transport != "ring" && transport != "grpc") return Die("--transport must be ring or grpc, got " + transport);
+  o.use_ring = transport == "ring";
   std::unique_ptr<Client> client;
   Status s = Client::Connect(o, &client);
   if (!s.ok()) return Die("connecting: " + s.ToString());
@@ -218,7 +222,8 @@ int main(int argc, char** argv) {
   std::ostringstream out;
   out.precision(3);
   out << std::fixed;
-  out << "{\"benchmark\": \"opd_client_bench\", \"op\": " << Quote(op + ".out") << ", \"shape\": "
+  out << "{\"benchmark\": \"opd_client_bench\", \"transport\": " << Quote(client->session_info().transport)
+      << ", \"op\": " << Quote(op + ".out") << ", \"shape\": "
       << Quote(DimsString(shape)) << ", \"iters\": " << iters << ", \"warmup\": " << warmup
       << ", \"gpu\": {\"name\": " << Quote(prop.name) << ", \"uuid\": " << Quote(uuid) << "}"
       << ", \"daemon\": {\"target\": " << Quote(client->session_info().target)
