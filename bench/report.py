@@ -342,7 +342,8 @@ def _lat(cell, base=None) -> str:
 def latency_section(res) -> list[str]:
     lat = _get(res, "cases", "latency")
     if not isinstance(lat, dict):
-        return ["*not run*"]
+        cpp = _get(res, "cases", "cpp_client")
+        return ["Python client: *not run*", "", *cpp_section(res)] if isinstance(cpp, dict) else ["*not run*"]
     p = lat.get("params", {})
     out = [f"Host time of one `.out` call, microseconds, p50 / p99 over {p.get('n', '?')} calls after "
            f"{p.get('warmup', '?')} warm-up calls (synchronized every {p.get('sync_every', '?')} calls, outside "
