@@ -3,7 +3,9 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -18,6 +20,15 @@ constexpr auto kSleepMin = std::chrono::microseconds(20);
 constexpr auto kSleepMax = std::chrono::milliseconds(1);
 constexpr auto kLivenessEvery = std::chrono::milliseconds(5);
 constexpr int32_t kInternal = 13;  // google.rpc.Code INTERNAL
+
+// One spin-wait step: the pause instruction where there is one.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
 
 }  // namespace
 
@@ -78,7 +89,7 @@ Status RingProducer::PollUntil(const Cond& cond, const std::string& what, std::c
   // Spin: the daemon answers within microseconds of the doorbell.
   for (uint32_t n = 1;; ++n) {
     if (cond()) return Status::Ok();
-    _mm_pause();
+    CpuRelax();
     if ((n & 63) == 0 && Clock::now() - start > options_.spin) break;
   }
   auto sleep = std::chrono::nanoseconds(kSleepMin);
