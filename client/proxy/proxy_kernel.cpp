@@ -14,30 +14,13 @@
 #include <vector>
 
 #include "client/proxy/proxy_session.h"
+#include "server/dispatch/scalar_type.h"
 
 namespace cache_dit_opd::client {
 
 namespace {
 
 constexpr const char* kNamespace = "cache_dit_cuda_ops";
-
-// at::ScalarType -> wire DType (server/call.h; the daemon maps it back).
-std::optional<DType> WireDType(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3FN;
-    case at::kByte: return DType::kUInt8;
-    case at::kChar: return DType::kInt8;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    case at::kDouble: return DType::kFloat64;
-    case at::kBool: return DType::kBool;
-    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
-    default: return std::nullopt;
-  }
-}
 
 // What the kernel needs of one op besides its schema.
 struct OpPlan {
@@ -105,7 +88,7 @@ bool TryNative(const c10::OperatorHandle& op, const OpPlan& plan, torch::jit::St
     bool ok = false;
     if (a.isTensor()) {
       const at::Tensor& t = a.toTensor();
-      const auto dtype = WireDType(t.scalar_type());
+      const auto dtype = ToWireDType(t.scalar_type());
       uint64_t nbytes = 0, region = 0, offset = 0;
       // Empty tensors, other devices and odd layouts take the Python path,
       // which checks and reports them.

@@ -24,6 +24,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include "server/dispatch/scalar_type.h"
+
 namespace cache_dit_opd {
 namespace {
 
@@ -43,23 +45,6 @@ std::string DescribeView(const TensorRef& t) {
          std::to_string(t.region_id);
 }
 
-std::optional<at::ScalarType> ToScalarType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kFloat16: return at::kHalf;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kFloat8E4M3FN: return at::kFloat8_e4m3fn;
-    case DType::kFloat8E5M2: return at::kFloat8_e5m2;
-    case DType::kUInt8: return at::kByte;
-    case DType::kInt8: return at::kChar;
-    case DType::kInt32: return at::kInt;
-    case DType::kInt64: return at::kLong;
-    case DType::kFloat64: return at::kDouble;
-    case DType::kBool: return at::kBool;
-    case DType::kUnspecified: break;
-  }
-  return std::nullopt;
-}
 
 const char* ArgKindName(const Arg& value) {
   static constexpr const char* kNames[] = {"None", "Tensor", "int",     "float",

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "server/dispatch/scalar_type.h"
 #include "tests/cpp/client/support/call_file.h"
 #include "tests/cpp/client/support/latency.h"
 #include "tests/cpp/client/support/op_cases.h"
@@ -39,38 +40,12 @@ using namespace cache_dit_opd::testing;
 namespace {
 
 at::ScalarType ToScalar(DType d) {
-  switch (d) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kFloat16: return at::kHalf;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kFloat8E4M3FN: return at::kFloat8_e4m3fn;
-    case DType::kUInt8: return at::kByte;
-    case DType::kInt8: return at::kChar;
-    case DType::kInt32: return at::kInt;
-    case DType::kInt64: return at::kLong;
-    case DType::kFloat64: return at::kDouble;
-    case DType::kBool: return at::kBool;
-    case DType::kFloat8E5M2: return at::kFloat8_e5m2;
-    default: break;
-  }
+  if (auto s = ToScalarType(d)) return *s;
   throw std::runtime_error("unsupported dtype " + DTypeName(d));
 }
 
 DType FromScalar(at::ScalarType s) {
-  switch (s) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3FN;
-    case at::kByte: return DType::kUInt8;
-    case at::kChar: return DType::kInt8;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    case at::kDouble: return DType::kFloat64;
-    case at::kBool: return DType::kBool;
-    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
-    default: break;
-  }
+  if (auto d = ToWireDType(s)) return *d;
   throw std::runtime_error(std::string("unsupported scalar type ") + c10::toString(s));
 }
 
