@@ -3,14 +3,13 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cstring>
 #include <iterator>
 #include <thread>
+
+#include "server/cpu_relax.h"
 
 namespace cache_dit_opd::client {
 
@@ -20,15 +19,6 @@ constexpr auto kSleepMin = std::chrono::microseconds(20);
 constexpr auto kSleepMax = std::chrono::milliseconds(1);
 constexpr auto kLivenessEvery = std::chrono::milliseconds(5);
 constexpr int32_t kInternal = 13;  // google.rpc.Code INTERNAL
-
-// One spin-wait step: the pause instruction where there is one.
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
 
 }  // namespace
 

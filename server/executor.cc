@@ -7,14 +7,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include "server/cpu_relax.h"
 #include "server/region_registry.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define OPD_CPU_RELAX() _mm_pause()
-#else
-#define OPD_CPU_RELAX() std::this_thread::yield()
-#endif
 
 namespace cache_dit_opd {
 
@@ -347,7 +342,7 @@ void Executor::Loop() {
     // the next call of a busy client lands here instead of waking a
     // sleeping thread.
     if (queues_.empty()) {
-      while (!news_.load(std::memory_order_acquire) && Clock::now() < spin_until) OPD_CPU_RELAX();
+      while (!news_.load(std::memory_order_acquire) && Clock::now() < spin_until) CpuRelax();
     }
     std::vector<Item> intake;
     std::vector<Command> commands;
@@ -399,7 +394,7 @@ void Executor::Loop() {
     } else if (!queues_.empty()) {
       waiting = true;
       if (Clock::now() < spin_until) {
-        OPD_CPU_RELAX();
+        CpuRelax();
       } else {
         backoff = std::min(options_.max_backoff,
                            backoff.count() == 0 ? std::chrono::microseconds{10} : backoff * 2);

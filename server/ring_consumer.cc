@@ -13,14 +13,9 @@
 #include <spdlog/spdlog.h>
 
 #include "cache_dit_opd/v1/ring.h"
+#include "server/cpu_relax.h"
 #include "server/ring_codec.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define OPD_CPU_RELAX() _mm_pause()
-#else
-#define OPD_CPU_RELAX() std::this_thread::yield()
-#endif
 
 namespace cache_dit_opd {
 namespace {
@@ -121,7 +116,7 @@ void RingConsumer::Sleep(uint64_t head) {
 
 uint64_t RingConsumer::SettledTail(std::atomic_ref<uint64_t>& tail_ref) const {
   const auto until = Clock::now() + std::chrono::microseconds(50);
-  while (Clock::now() < until) OPD_CPU_RELAX();
+  while (Clock::now() < until) CpuRelax();
   return tail_ref.load(std::memory_order_acquire);
 }
 
@@ -138,7 +133,7 @@ void RingConsumer::Loop() {
     const uint64_t tail = tail_ref.load(std::memory_order_acquire);
     if (tail == head) {
       if (Clock::now() < spin_until) {
-        OPD_CPU_RELAX();
+        CpuRelax();
         continue;
       }
       Sleep(head);
