@@ -2,7 +2,7 @@
 
 What runs calls (the native kernels, the producer and lanes) needs a GPU and
 is tested in test_client_native_gpu.py; the producer and encoder against the
-daemon's consumer are tested in C++ (tests/cpp/server/ring_producer_test.cc).
+daemon's consumer are tested in C++ (tests/cpp/server/ring_test.cc (RingProducerTest)).
 """
 
 from __future__ import annotations
