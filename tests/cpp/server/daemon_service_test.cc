@@ -116,16 +116,10 @@ class DaemonServiceTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.error_message();
     b.id = reply.session_id();
     b.token = reply.token();
-    b.channel_fd = testing::ConnectSeqpacket(reply.session_channel_path());
-    v1::BindRequest bind = testing::MakeBind(b.id, b.token);
-    EXPECT_EQ(send(b.channel_fd, &bind, sizeof(bind), 0), static_cast<ssize_t>(sizeof(bind)));
-    v1::BindReply br;
-    int memfd = -1;
-    EXPECT_TRUE(testing::RecvBindReply(b.channel_fd, &br, &memfd));
-    EXPECT_EQ(br.status_code, 0) << br.message;
-    b.bytes = br.shared_memory_bytes;
-    b.memory = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-    close(memfd);
+    testing::BoundChannel c = testing::BindAndMap(reply.session_channel_path(), b.id, b.token);
+    b.channel_fd = c.fd;
+    b.memory = c.memory;
+    b.bytes = c.bytes;
     return b;
   }
 
@@ -200,7 +194,7 @@ TEST_F(DaemonServiceTest, SessionRegionCallStatsClose) {
   StartDaemon(/*with_gpu=*/true);
   EXPECT_EQ(HealthStatus(), 1);
   Bound b = OpenAndBind(2);
-  ASSERT_NE(b.memory, MAP_FAILED);
+  ASSERT_NE(b.memory, nullptr);
 
   // RegisterRegion: bad handle, then a good one, then the same again.
   v1::RegisterRegionRequest rr;

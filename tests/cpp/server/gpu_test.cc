@@ -244,16 +244,11 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
     p.lanes = 1;
     ASSERT_TRUE(d.OpenSession(p, &c->r).ok());
     c->token.assign(reinterpret_cast<const char*>(c->r.token.data()), c->r.token.size());
-    c->fd = testing::ConnectSeqpacket(c->r.session_channel_path);
-    v1::BindRequest b = testing::MakeBind(c->r.session_id, c->token);
-    ASSERT_EQ(send(c->fd, &b, sizeof(b), 0), static_cast<ssize_t>(sizeof(b)));
-    v1::BindReply reply;
-    int memfd = -1;
-    ASSERT_TRUE(testing::RecvBindReply(c->fd, &reply, &memfd));
-    ASSERT_EQ(reply.status_code, 0) << reply.message;
-    c->bytes = reply.shared_memory_bytes;
-    c->mem = mmap(nullptr, c->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-    close(memfd);
+    testing::BoundChannel b = testing::BindAndMap(c->r.session_channel_path, c->r.session_id, c->token);
+    c->fd = b.fd;
+    c->mem = b.memory;
+    c->bytes = b.bytes;
+    ASSERT_NE(c->mem, nullptr);
   };
   auto call = [&](Client& c, uint64_t seq, uint64_t region) {
     auto st = std::make_shared<std::promise<Status>>();

@@ -1186,17 +1186,11 @@ class RingDaemonTest : public ::testing::Test {
     p.want_ring = want_ring;
     Status s = daemon_->OpenSession(p, &b.open);
     EXPECT_TRUE(s.ok()) << s.ToString();
-    b.channel_fd = testing::ConnectSeqpacket(b.open.session_channel_path);
     std::string token(reinterpret_cast<const char*>(b.open.token.data()), b.open.token.size());
-    v1::BindRequest bind = testing::MakeBind(b.open.session_id, token);
-    EXPECT_EQ(send(b.channel_fd, &bind, sizeof(bind), 0), static_cast<ssize_t>(sizeof(bind)));
-    v1::BindReply br;
-    int memfd = -1;
-    EXPECT_TRUE(testing::RecvBindReply(b.channel_fd, &br, &memfd));
-    EXPECT_EQ(br.status_code, 0) << br.message;
-    b.bytes = br.shared_memory_bytes;
-    b.memory = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-    close(memfd);
+    testing::BoundChannel c = testing::BindAndMap(b.open.session_channel_path, b.open.session_id, token);
+    b.channel_fd = c.fd;
+    b.memory = c.memory;
+    b.bytes = c.bytes;
     bound_.push_back(b);
     return bound_.back();
   }

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <poll.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -74,6 +76,34 @@ inline bool RecvBindReply(int fd, v1::BindReply* reply, int* memfd, int timeout_
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(memfd, CMSG_DATA(c), sizeof(int));
   }
   return true;
+}
+
+// A test client's end of a bound session: the session channel and the
+// session memory, mapped shared. The caller closes and unmaps.
+struct BoundChannel {
+  int fd = -1;
+  void* memory = nullptr;  // nullptr when the bind or the mapping failed
+  uint64_t bytes = 0;
+};
+
+// Connects to the session channel at `path`, binds `session_id` with `token`
+// and maps the memfd of the reply. Every failed step is a test failure.
+inline BoundChannel BindAndMap(const std::string& path, uint64_t session_id, const std::string& token) {
+  BoundChannel b;
+  b.fd = ConnectSeqpacket(path);
+  v1::BindRequest bind = MakeBind(session_id, token);
+  EXPECT_EQ(send(b.fd, &bind, sizeof(bind), 0), static_cast<ssize_t>(sizeof(bind)));
+  v1::BindReply reply;
+  int memfd = -1;
+  EXPECT_TRUE(RecvBindReply(b.fd, &reply, &memfd));
+  EXPECT_EQ(reply.status_code, 0) << reply.message;
+  if (memfd < 0) return b;
+  b.bytes = reply.shared_memory_bytes;
+  void* p = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+  close(memfd);
+  EXPECT_NE(p, MAP_FAILED);
+  if (p != MAP_FAILED) b.memory = p;
+  return b;
 }
 
 // True when the peer closed the connection within `timeout_ms`.
