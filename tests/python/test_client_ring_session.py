@@ -223,9 +223,8 @@ def test_sync_call_waits_for_its_completion(daemons):
     assert done.is_set()
 
 
-def test_region_evicted_by_the_daemon_is_registered_again(daemons):
-    d = daemons(9)
-    s = d.open()
+def _encode_one_tensor(s) -> None:
+    """Every call of ``s`` carries one uint8 tensor of 64 bytes in one (fake) allocation: its region."""
     base = s.driver.alloc(1 << 20)
 
     def encode(args, pinned):
@@ -233,6 +232,12 @@ def test_region_evicted_by_the_daemon_is_registered_again(daemons):
         return [(_ring.ARG_TENSOR, (rid, off, (64,), (1,), 5))]
 
     s._encode = encode
+
+
+def test_region_evicted_by_the_daemon_is_registered_again(daemons):
+    d = daemons(9)
+    s = d.open()
+    _encode_one_tensor(s)
     s.call("op", ["x"])
     (rid,) = [r.region_id for r in s.regions.regions()]
     s._unregister_region(rid)  # behind the table's back, as the daemon's LRU would
@@ -342,13 +347,7 @@ def test_close_sessions_raises_async_errors(daemons, monkeypatch):
 def test_async_region_not_found_forgets_the_region(daemons):
     d = daemons(16)
     s = d.open()
-    base = s.driver.alloc(1 << 20)
-
-    def encode(args, pinned):
-        rid, off = s.regions.ref(base, 64, pinned)
-        return [(_ring.ARG_TENSOR, (rid, off, (64,), (1,), 5))]
-
-    s._encode = encode
+    _encode_one_tensor(s)
     s.call("op", ["x"])
     (rid,) = [r.region_id for r in s.regions.regions()]
     s._unregister_region(rid)
