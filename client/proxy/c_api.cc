@@ -152,19 +152,6 @@ __attribute__((visibility("default"))) int opd_native_activate(int64_t h, int ac
   }, -1);
 }
 
-// Deactivates and drops the handle (the object lives while a call holds it).
-__attribute__((visibility("default"))) void opd_native_close(int64_t h) {
-  std::shared_ptr<ProxySession> s;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_sessions.find(h);
-    if (it == g_sessions.end()) return;
-    s = std::move(it->second);
-    g_sessions.erase(it);
-  }
-  ClearActiveProxySession(s->device(), s.get());
-}
-
 __attribute__((visibility("default"))) int opd_native_set_op(int64_t h, const char* name_overload,
                                                            uint32_t op_index) {
   return NoThrow([&] {

@@ -73,7 +73,6 @@ def _prototype(lib) -> None:
         "opd_native_open": (c.c_int64, [c.c_int, c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint64, c.c_uint32, c.c_int,
                                         c.c_uint64, c.c_uint64, c.c_uint64, c.c_char_p, c.c_size_t]),
         "opd_native_activate": (c.c_int, [c.c_int64, c.c_int]),
-        "opd_native_close": (None, [c.c_int64]),
         "opd_native_set_op": (c.c_int, [c.c_int64, c.c_char_p, c.c_uint32]),
         "opd_native_add_region": (c.c_int, [c.c_int64, c.c_uint64, c.c_uint64, c.c_uint64, c.c_uint64]),
         "opd_native_forget_region": (c.c_int, [c.c_int64, c.c_uint64]),
@@ -181,9 +180,6 @@ class NativeSession:
 
     def activate(self, active: bool = True) -> None:
         self._lib.opd_native_activate(self.handle, 1 if active else 0)
-
-    def close(self) -> None:
-        self._lib.opd_native_close(self.handle)
 
     def set_op(self, name_overload: str, op_index: int) -> None:
         self._lib.opd_native_set_op(self.handle, name_overload.encode(), op_index)

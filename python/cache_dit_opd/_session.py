@@ -1089,13 +1089,14 @@ class Session:
     def _release_waits(self) -> int:
         """Writes every lane's ``done`` up to its last issued call from the host; returns calls lost."""
         lost = 0
-        if self._native is not None:
+        if self._native is not None:  # the native lanes issued every call of this session
             lost = self._native.release_from_host(f"the daemon at {self.target} is gone")
-        for lane in self._lanes:
-            done = lane.done()
-            lost += max(0, lane.waited - done)  # accepted calls whose outputs were handed out
-            if done < lane.issued:
-                ctypes.c_uint64.from_address(lane.done_addr).value = lane.issued
+        else:
+            for lane in self._lanes:
+                done = lane.done()
+                lost += max(0, lane.waited - done)  # accepted calls whose outputs were handed out
+                if done < lane.issued:
+                    ctypes.c_uint64.from_address(lane.done_addr).value = lane.issued
         if lost:
             _report_deferred(SessionFailedError(
                 f"cache_dit_opd: the daemon at {self.target} (cuda:{self.device_index}) died with {lost} call(s) "
