@@ -492,9 +492,8 @@ def test_daemon_killed_with_async_records_in_flight(daemons):
         s.call("op", [])
 
 
-def test_daemon_killed_during_a_sync_ring_call(daemons):
-    d = daemons(21, "--ring-no-completions")  # records are read, never answered
-    s = d.open()
+def _call_in_thread(s):
+    """Starts ``s.call("op", [])`` on a thread: (the thread, the list its exception lands in)."""
     got = []
 
     def call():
@@ -505,6 +504,13 @@ def test_daemon_killed_during_a_sync_ring_call(daemons):
 
     t = threading.Thread(target=call)
     t.start()
+    return t, got
+
+
+def test_daemon_killed_during_a_sync_ring_call(daemons):
+    d = daemons(21, "--ring-no-completions")  # records are read, never answered
+    s = d.open()
+    t, got = _call_in_thread(s)
     assert _wait_for(lambda: len(d.calls()) == 1)
     time.sleep(0.1)
     assert t.is_alive()
@@ -538,16 +544,7 @@ def test_hung_daemon_is_detected_by_its_heartbeat(daemons, monkeypatch):
         s.call("op", [])  # accepted; its "kernel" never finishes: a stream waits on done >= 1
     assert _wait_for(lambda: s._hb_armed)  # the heartbeat was seen advancing
     os.kill(d.fake.proc.pid, signal.SIGSTOP)  # alive, but frozen
-    got = []
-
-    def call():
-        try:
-            s.call("op", [])
-        except Exception as e:
-            got.append(e)
-
-    t = threading.Thread(target=call)
-    t.start()
+    t, got = _call_in_thread(s)
     t.join(20)
     assert not t.is_alive(), "the call hung on a frozen daemon"
     assert isinstance(got[0], _session.SessionFailedError), got
