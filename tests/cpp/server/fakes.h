@@ -70,6 +70,10 @@ class FakeDeviceOps : public DeviceOps {
       for (uint64_t a : addrs) std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(a)).store(v);
     }
   }
+  size_t held_count() {
+    std::lock_guard<std::mutex> lock(mu);
+    return held.size();
+  }
   size_t stream_count() {
     std::lock_guard<std::mutex> lock(mu);
     return streams.size();
