@@ -360,7 +360,7 @@ def latency_section(res) -> list[str]:
                + (" (**not as intended**)" if transports != {RING_SYNC: "ring", RING_ASYNC: "ring", GRPC: "grpc"}
                   else ""))
     native = {m: _get(lat, "modes", m, "info", "native") for m in (RING_SYNC, RING_ASYNC)}
-    out.append("Client: " + ", ".join(f"{MODE_NAMES[m]} = {'native (client/proxy/)' if n else 'pure Python'}"
+    out.append("Client: " + ", ".join(f"{MODE_NAMES[m]} = {'native engine' if n else 'pure Python'}"
                                       for m, n in native.items()) + ".")
     rtt = raw_grpc(res)
     if rtt:

@@ -69,7 +69,7 @@ class Runner:
                 "--result", str(result), "--dump-after", f"{max(0.0, timeout - 3):.0f}"]
 
     def _env(self, mode: str) -> dict:
-        # The client finds the native library (client/proxy/) of the build under test.
+        # The client finds the native library (client/python/) of the build under test.
         return child_env(client=mode != INPROC, address=self.daemon.address, ring=mode != GRPC,
                          extra={"CACHE_DIT_OPD_BUILD_DIR": str(self.s.build)})
 

@@ -10,13 +10,13 @@
 #include <unordered_set>
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
-#include "client/cuda_backend.h"
-#include "client/cuda_driver.h"
+#include "client/core/cuda_backend.h"
+#include "common/cuda/device_guard.h"
 #include "client/discovery.h"
-#include "client/monitor.h"
+#include "client/core/monitor.h"
 #include "client/opd_client.h"
-#include "client/ring_producer.h"
-#include "client/ring_record.h"
+#include "client/core/ring_producer.h"
+#include "common/ring_encode.h"
 #include "client/session_channel.h"
 
 namespace cache_dit_opd::client {
@@ -435,7 +435,7 @@ Status Session::Prepare(std::string_view op, std::string_view overload, const st
       w->set_byte_offset(ref.byte_offset);
       for (int64_t v : ref.sizes) w->add_sizes(v);
       for (int64_t v : ref.strides) w->add_strides(v);
-      // server/call.h fixes DType's values to the proto enum's.
+      // common/call.h fixes DType's values to the proto enum's.
       w->set_dtype(static_cast<pb::DType>(static_cast<int>(ref.dtype)));
     } else if (const auto* v = std::get_if<int64_t>(&arg)) {
       a->set_int_value(*v);

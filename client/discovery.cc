@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <sstream>
 
-#include "client/cuda_driver.h"
+#include "common/cuda/device_guard.h"
 
 namespace cache_dit_opd::client {
 namespace {

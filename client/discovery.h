@@ -27,7 +27,7 @@
 #include <string_view>
 #include <vector>
 
-#include "server/status.h"
+#include "common/status.h"
 
 namespace cache_dit_opd::client {
 

@@ -44,7 +44,7 @@
 //     mapping stops pinning it.
 //
 // Failure contract:
-//   - Errors are Status values (server/status.h), never exceptions. Invalid
+//   - Errors are Status values (common/status.h), never exceptions. Invalid
 //     calls come back INVALID_ARGUMENT / NOT_FOUND with the daemon's message
 //     and leave the session usable.
 //   - When the daemon dies (its process exits), the client raises every
@@ -53,7 +53,7 @@
 //     flight return UNAVAILABLE. When the daemon only ends the session (its
 //     end of the session channel closes), the session fails at once and the
 //     daemon completes the numbers it received; the client releases the rest
-//     from the host after a grace period (client/monitor.h). A transport
+//     from the host after a grace period (client/core/monitor.h). A transport
 //     error (UNAVAILABLE, DEADLINE_EXCEEDED, ...) or NOT_FOUND also fails the
 //     session. The next call opens a new session (ClientOptions::reconnect);
 //     LastSessionError() says why the previous one failed.
@@ -81,9 +81,9 @@
 #include <vector>
 
 #include "cache_dit_opd/v1/opd.pb.h"
-#include "client/regions.h"
-#include "server/call.h"
-#include "server/status.h"
+#include "client/core/regions.h"
+#include "common/call.h"
+#include "common/status.h"
 
 namespace cache_dit_opd::client {
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <string_view>
 
-#include "server/status.h"
+#include "common/status.h"
 
 namespace cache_dit_opd::client {
 

@@ -2,7 +2,7 @@
 //
 // The daemon's core, independent of any transport: what every RPC does, in
 // terms of the plain types of server/ (the gRPC service in
-// server/grpc_service.h only converts messages and statuses; each session's
+// server/grpc/grpc_service.h only converts messages and statuses; each session's
 // shared-memory call ring calls Call() the same way, from its RingConsumer).
 //
 // Owns and wires: SessionManager (sessions, tokens, binding), SessionChannel
@@ -30,20 +30,20 @@
 #include <string_view>
 #include <vector>
 
-#include "server/call.h"
-#include "server/call_runner.h"
-#include "server/device_ops.h"
-#include "server/dispatch/dispatcher.h"
-#include "server/executor.h"
+#include "common/call.h"
+#include "server/exec/call_runner.h"
+#include "server/device/device_ops.h"
+#include "server/dispatch/torch_call_runner.h"
+#include "server/exec/executor.h"
 #include "server/options.h"
-#include "server/reaper.h"
-#include "server/region_opener.h"
-#include "server/region_registry.h"
-#include "server/ring_consumer.h"
-#include "server/session_channel.h"
-#include "server/session_manager.h"
-#include "server/stats.h"
-#include "server/status.h"
+#include "server/session/reaper.h"
+#include "server/device/region_opener.h"
+#include "server/session/region_registry.h"
+#include "server/ring/ring_consumer.h"
+#include "server/session/session_channel.h"
+#include "server/session/session_manager.h"
+#include "server/exec/stats.h"
+#include "common/status.h"
 
 namespace cache_dit_opd {
 

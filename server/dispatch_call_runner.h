@@ -1,12 +1,12 @@
 // File: server/dispatch_call_runner.h
 //
-// CallRunner (server/call_runner.h) backed by the dispatch layer
-// (server/dispatch/dispatcher.h): PrepareCall with CUDA tensors, RunCall on
+// CallRunner (server/exec/call_runner.h) backed by the dispatch layer
+// (server/dispatch/torch_call_runner.h): PrepareCall with CUDA tensors, RunCall on
 // the lane's stream. Lives in the daemon executable, the only target that
 // links both opd_core and opd_dispatch.
 #pragma once
 
-#include "server/call_runner.h"
+#include "server/exec/call_runner.h"
 
 namespace cache_dit_opd {
 

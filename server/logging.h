@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "server/status.h"
+#include "common/status.h"
 
 namespace cache_dit_opd {
 

@@ -9,14 +9,14 @@
 
 #include <spdlog/spdlog.h>
 
-#include "server/cuda/cuda_device_ops.h"
-#include "server/cuda/device_probe.h"
-#include "server/cuda/ipc_region_opener.h"
+#include "server/device/cuda_device_ops.h"
+#include "server/device/device_probe.h"
+#include "server/device/ipc_region_opener.h"
 #include "server/daemon.h"
-#include "server/dispatch/dispatcher.h"
+#include "server/dispatch/torch_call_runner.h"
 #include "server/dispatch_call_runner.h"
-#include "server/grpc_server.h"
-#include "server/grpc_service.h"
+#include "server/grpc/grpc_server.h"
+#include "server/grpc/grpc_service.h"
 #include "server/logging.h"
 #include "server/options.h"
 #include "server/runtime_dir.h"

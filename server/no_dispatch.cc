@@ -2,7 +2,7 @@
 // target does not exist (server/dispatch/ not built yet): the daemon then
 // serves no ops, and every call fails UNIMPLEMENTED saying why. The real
 // implementation is server/dispatch/ (target opd_dispatch).
-#include "server/dispatch/dispatcher.h"
+#include "server/dispatch/torch_call_runner.h"
 
 namespace cache_dit_opd {
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "cache_dit_opd/v1/ring.h"
-#include "server/status.h"
+#include "common/status.h"
 
 namespace cache_dit_opd {
 

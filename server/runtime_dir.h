@@ -21,7 +21,7 @@
 #include <string>
 
 #include "server/options.h"
-#include "server/status.h"
+#include "common/status.h"
 
 namespace cache_dit_opd {
 

@@ -89,7 +89,7 @@ def daemon_info(device=None) -> dict:
         "session_id": s.reply.session_id,
         "lanes": s.reply.lanes,
         "transport": s.transport.name,
-        "native": s._native is not None,  # calls run in the native library (client/proxy/)
+        "native": s._native is not None,  # calls run in the native library (client/python/)
         "ring_capacity": getattr(s.transport, "capacity", 0),
         "async_calls": _session.async_calls_enabled(),
         "catalog": sorted(f"{n}.{o}" if o else n for n, o in s.catalog),

@@ -1,4 +1,4 @@
-"""The native half of the client: ``libcache_dit_opd_native.so`` (``client/proxy/``), through ctypes.
+"""The native half of the client: ``libcache_dit_opd_native.so`` (``client/python/``), through ctypes.
 
 When the library is found, the ``.out`` proxy ops get a C++ CUDA kernel that
 encodes the call, publishes it in the session's ring and orders the stream,
@@ -11,7 +11,7 @@ shared by both paths, so one ring has exactly one producer.
 
 Where the library is looked for, first found wins:
 ``$CACHE_DIT_OPD_NATIVE_LIB``, this package's directory, then
-``$CACHE_DIT_OPD_BUILD_DIR/client/proxy`` and ``<repo>/build/client/proxy``.
+``$CACHE_DIT_OPD_BUILD_DIR/client/python`` and ``<repo>/build/client/python``.
 ``CACHE_DIT_OPD_NATIVE=0`` keeps the client pure Python (same behaviour,
 more host time per call). Without the library the client is pure Python.
 
@@ -33,7 +33,7 @@ ABI_VERSION = 1
 LIB_NAME = "libcache_dit_opd_native.so"
 _MESSAGE_BYTES = 512
 _MAX_REJECTED = 64
-# ProxyFallback in client/proxy/proxy_session.h, in order
+# ProxyFallback in client/python/native_session.h, in order
 FALLBACK_REASONS = ("failed", "pending_errors", "capturing", "unknown_op", "argument", "region_miss", "rejected",
                     "broken")
 
@@ -60,8 +60,8 @@ def candidates() -> list[Path]:
         out.append(Path(os.environ["CACHE_DIT_OPD_NATIVE_LIB"]))
     out.append(here / LIB_NAME)
     if os.environ.get("CACHE_DIT_OPD_BUILD_DIR"):
-        out.append(Path(os.environ["CACHE_DIT_OPD_BUILD_DIR"]) / "client" / "proxy" / LIB_NAME)
-    out.append(here.parent.parent / "build" / "client" / "proxy" / LIB_NAME)
+        out.append(Path(os.environ["CACHE_DIT_OPD_BUILD_DIR"]) / "client" / "python" / LIB_NAME)
+    out.append(here.parent.parent / "build" / "client" / "python" / LIB_NAME)
     return out
 
 
@@ -164,7 +164,7 @@ class NativeError(Exception):
 
 
 class NativeSession:
-    """One session's producer, lanes and region copy in C++ (``client/proxy/proxy_session.h``)."""
+    """One session's producer, lanes and region copy in C++ (``client/python/native_session.h``)."""
 
     def __init__(self, lib, *, device: int, memory: int, memory_bytes: int, device_base: int, session_id: int,
                  lanes: int, daemon_pidfd: int | None, spin_s: float, call_timeout_s: float,

@@ -74,11 +74,11 @@ ARG_BOOL_LIST = 7
 ARG_KIND_NAMES = {ARG_NONE: "none", ARG_TENSOR: "tensor", ARG_INT: "int", ARG_FLOAT: "float", ARG_BOOL: "bool",
                   ARG_INT_LIST: "int_list", ARG_FLOAT_LIST: "float_list", ARG_BOOL_LIST: "bool_list"}
 
-# server/call.h limits (the record layout is sized from them)
+# common/call.h limits (the record layout is sized from them)
 MAX_TENSOR_DIMS = 8  # kMaxTensorDims
 MAX_ARGS = 32  # kMaxArgs
 MAX_LIST_LENGTH = 64  # kMaxListLength
-# wire DType values (server/call.h, opd.proto): 1 .. 11 are defined by protocol v1
+# wire DType values (common/call.h, opd.proto): 1 .. 11 are defined by protocol v1
 MAX_DTYPE = 11
 
 RECORD_FLAG_ASYNC = 1  # RecordHeader.flags bit 0 (informational for the daemon)

@@ -25,12 +25,12 @@ call the ring cannot carry (op missing from the catalog, record larger than a
 slot) goes over gRPC after the ring's earlier records, so each lane's seq
 order holds across both transports. Both share the lane protocol above.
 
-With the native library (``_native``, ``client/proxy/``), a ring session
+With the native library (``_native``, ``client/python/``), a ring session
 keeps its producer and lanes in C++ (``_NativeTransport``): the native CUDA
 kernels of the ``.out`` proxy ops run whole calls there without entering
 Python, and this module's own calls (first use of an allocation, retries,
 everything the native kernels hand over) go through the same producer and
-lanes. Lanes are then ``client/lanes.h``'s (streams share lanes behind fence
+lanes. Lanes are then ``client/core/lanes.h``'s (streams share lanes behind fence
 events) instead of ``_acquire_lane``'s.
 
 Modes (ring only; over gRPC every call is synchronous): synchronous by
@@ -85,7 +85,7 @@ HEARTBEAT_TIMEOUT_S = float(os.environ.get("CACHE_DIT_OPD_HEARTBEAT_TIMEOUT_S", 
 WATCH_INTERVAL_S = 0.25
 NAMESPACE = "cache_dit_cuda_ops"
 
-# torch dtype name -> wire DType (proto/cache_dit_opd/v1/opd.proto, server/call.h)
+# torch dtype name -> wire DType (proto/cache_dit_opd/v1/opd.proto, common/call.h)
 DTYPE_IDS = {
     "float32": 1,
     "float16": 2,

@@ -1,5 +1,5 @@
 // opd_ring_decode: decodes one call-ring record with the daemon's own decoder
-// (server/ring_codec.h) and prints the result as one JSON object, so that
+// (common/ring_decode.h) and prints the result as one JSON object, so that
 // another implementation of the record layout (the Python client's encoder)
 // can be tested against the daemon without a daemon.
 //
@@ -28,7 +28,7 @@
 #include <variant>
 #include <vector>
 
-#include "server/ring_codec.h"
+#include "common/ring_decode.h"
 
 namespace cache_dit_opd {
 namespace {

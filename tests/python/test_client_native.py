@@ -1,4 +1,4 @@
-"""The native library (``_native``, ``client/proxy/``) on the CPU: loading, registration, refusals.
+"""The native library (``_native``, ``client/python/``) on the CPU: loading, registration, refusals.
 
 What runs calls (the native kernels, the producer and lanes) needs a GPU and
 is tested in test_client_native_gpu.py; the producer and encoder against the
@@ -37,7 +37,7 @@ def test_library_matches_this_client():
 def test_out_overloads_get_the_native_kernel_and_keep_python_behind_it():
     for op in ("fp8_comm_per_token_quant.out", "fp8_comm_qkv_permute_dequant.out", "fused_merge_attn_states.out"):
         q = f"cache_dit_cuda_ops::{op}"
-        assert "client/proxy/proxy_kernel.cpp" in _cuda_kernel_source(q)
+        assert "client/python/proxy_kernel.cpp" in _cuda_kernel_source(q)
         assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" in torch._C._dispatch_dump(q)
         assert _proxy.native_out(op.split(".")[0]) is not None
     assert "_comm.py" in _cuda_kernel_source("cache_dit_cuda_ops::fp8_comm_per_token_quant")
@@ -89,4 +89,4 @@ print(_native.load_error())
     assert r.returncode == 0, r.stderr
     first, second = r.stdout.splitlines()[:2]
     assert first == "True True", r.stdout
-    assert "libcache_dit_opd_native.so not found" in second and "/nonexistent/client/proxy" in second, second
+    assert "libcache_dit_opd_native.so not found" in second and "/nonexistent/client/python" in second, second

@@ -1,4 +1,4 @@
-"""The native half of the client (``_native``, ``client/proxy/``) on a GPU against the real daemon.
+"""The native half of the client (``_native``, ``client/python/``) on a GPU against the real daemon.
 
 The ring GPU suite (test_client_ring_gpu.py) and the end-to-end suite run
 through whatever path the client picks; with the native library built that

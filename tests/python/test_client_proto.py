@@ -111,7 +111,7 @@ def test_dtype_numbering_matches_proto_and_call_h():
              "bool": "BOOL", "float8_e5m2": "FLOAT8_E5M2"}
     for torch_name, wire in names.items():
         assert _session.DTYPE_IDS[torch_name] == opd_pb2.DType.Value("DTYPE_" + wire)
-    call_h = open(os.path.join(fx.REPO, "server", "call.h")).read()
+    call_h = open(os.path.join(fx.REPO, "common", "call.h")).read()
     for wire in names.values():
         k = "k" + "".join(p.capitalize() if not p[0].isdigit() else p for p in wire.lower().split("_"))
         k = k.replace("Bfloat16", "BFloat16").replace("Uint8", "UInt8").replace("E4m3fn", "E4M3FN") \

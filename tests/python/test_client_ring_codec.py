@@ -1,5 +1,5 @@
 """Ring records: the Python encoder against the layout's reference decoder (_ring.decode_record) and against
-the daemon's own decoder (``$CACHE_DIT_OPD_BUILD_DIR/server/opd_ring_decode``, server/ring_codec.cc).
+the daemon's own decoder (``$CACHE_DIT_OPD_BUILD_DIR/server/opd_ring_decode``, common/ring_decode.cc).
 
 The C++ comparisons skip, saying why, when the tool is not built; CI builds it.
 """

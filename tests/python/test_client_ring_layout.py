@@ -13,7 +13,7 @@ import _client_fixtures as fx
 from cache_dit_opd import _ring
 
 HEADER = os.path.join(fx.REPO, "proto", "cache_dit_opd", "v1", "ring.h")
-CALL_H = os.path.join(fx.REPO, "server", "call.h")
+CALL_H = os.path.join(fx.REPO, "common", "call.h")
 SIZES = {"uint8_t": 1, "char": 1, "int32_t": 4, "uint32_t": 4, "int64_t": 8, "uint64_t": 8}
 
 

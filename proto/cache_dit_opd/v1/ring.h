@@ -5,7 +5,7 @@
 // SessionMemoryHeader::ring_offset, ring_bytes long, when OpenSession granted
 // it (OpenSessionReply.ring_enabled). A ring record carries exactly what a
 // gRPC Call carries; the daemon decodes it into the same CallRequest
-// (server/call.h) and hands it to the same executor, so validation, dispatch,
+// (common/call.h) and hands it to the same executor, so validation, dispatch,
 // ordering and completion are identical on both transports. The Python client
 // mirrors these constants in python/cache_dit_opd/_ring.py and a test keeps
 // them equal.
@@ -87,7 +87,7 @@ static_assert(sizeof(RingControl) == kRingControlBytes);
 enum class RingArgKind : uint32_t {
   kNone = 0,
   kTensor = 1,     // count = ndim (<= 8); then region_id u64, byte_offset u64,
-                   // dtype i32 (server/call.h DType), pad i32, sizes i64[ndim], strides i64[ndim]
+                   // dtype i32 (common/call.h DType), pad i32, sizes i64[ndim], strides i64[ndim]
   kInt = 2,        // count = 1; then i64
   kFloat = 3,      // count = 1; then f64
   kBool = 4,       // count = 1; then i64 (0 or 1)
@@ -112,7 +112,7 @@ struct RecordHeader {
   uint64_t seq;           // the lane's sequence number of this call
   uint32_t lane;          // 0 .. lanes-1
   uint32_t op_index;      // index into OpenSessionReply.catalog (name + overload)
-  uint32_t nargs;         // <= 32 (server/call.h kMaxArgs)
+  uint32_t nargs;         // <= 32 (common/call.h kMaxArgs)
   uint32_t flags;         // bit 0: asynchronous (informational; same handling)
   uint8_t reserved[24];
 };

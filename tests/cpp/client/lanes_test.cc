@@ -1,7 +1,7 @@
-// Lane and sequence bookkeeping (client/lanes.h) with host memory standing
+// Lane and sequence bookkeeping (client/core/lanes.h) with host memory standing
 // in for the GPU: stream operations are logged, and "the GPU" applies
 // inputs_ready writes to the shared memory at once.
-#include "client/lanes.h"
+#include "client/core/lanes.h"
 
 #include <gtest/gtest.h>
 

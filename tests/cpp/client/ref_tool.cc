@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "server/dispatch/scalar_type.h"
+#include "common/torch/scalar_type.h"
 #include "tests/cpp/client/support/call_file.h"
 #include "tests/cpp/client/support/latency.h"
 #include "tests/cpp/client/support/op_cases.h"

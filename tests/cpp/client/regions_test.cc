@@ -1,7 +1,7 @@
 // Regions: TensorView -> TensorRef (region id + byte offset from the
 // allocation base) and the per-allocation cache keyed by (base, buffer id)
-// (client/regions.h), with a fake driver and a fake daemon.
-#include "client/regions.h"
+// (client/core/regions.h), with a fake driver and a fake daemon.
+#include "client/core/regions.h"
 
 #include <gtest/gtest.h>
 

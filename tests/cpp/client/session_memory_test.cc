@@ -1,6 +1,6 @@
 // Session shared memory: the header is validated before anything in the
-// memfd is trusted (client/session_memory.h).
-#include "client/session_memory.h"
+// memfd is trusted (client/core/session_mapping.h).
+#include "client/core/session_mapping.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

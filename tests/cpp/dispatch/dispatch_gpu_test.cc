@@ -2,7 +2,7 @@
 // through the dispatch layer on the caller's stream must produce the same
 // bytes as the functional op called in-process on the same inputs. Skips
 // where no CUDA device exists.
-#include "server/dispatch/dispatcher.h"
+#include "server/dispatch/torch_call_runner.h"
 
 #include <atomic>
 #include <chrono>

@@ -2,7 +2,7 @@
 // library's real schemas, on meta tensors: runs without a GPU. The kernel
 // library's Meta kernels carry its per-op checks, so RunCall on meta also
 // shows those rejections surfacing as INVALID_ARGUMENT.
-#include "server/dispatch/dispatcher.h"
+#include "server/dispatch/torch_call_runner.h"
 
 #include <algorithm>
 #include <cctype>

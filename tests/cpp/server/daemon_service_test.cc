@@ -16,8 +16,8 @@
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
 #include "fakes.h"
 #include "server/daemon.h"
-#include "server/grpc_server.h"
-#include "server/grpc_service.h"
+#include "server/grpc/grpc_server.h"
+#include "server/grpc/grpc_service.h"
 #include "test_util.h"
 
 namespace cache_dit_opd {

@@ -1,4 +1,4 @@
-#include "server/executor.h"
+#include "server/exec/executor.h"
 
 #include <gtest/gtest.h>
 #include <time.h>

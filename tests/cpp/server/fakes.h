@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "server/call_runner.h"
-#include "server/device_ops.h"
-#include "server/region_opener.h"
+#include "server/exec/call_runner.h"
+#include "server/device/device_ops.h"
+#include "server/device/region_opener.h"
 
 namespace cache_dit_opd::testing {
 

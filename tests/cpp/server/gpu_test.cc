@@ -22,13 +22,13 @@
 #include <vector>
 
 #include "fakes.h"
-#include "server/cuda/cuda_device_ops.h"
-#include "server/cuda/device_probe.h"
-#include "server/cuda/driver_api.h"
-#include "server/cuda/ipc_region_opener.h"
+#include "server/device/cuda_device_ops.h"
+#include "server/device/device_probe.h"
+#include "common/cuda/driver_api.h"
+#include "server/device/ipc_region_opener.h"
 #include "server/daemon.h"
-#include "server/region_registry.h"
-#include "server/shared_memory.h"
+#include "server/session/region_registry.h"
+#include "server/session/session_memory.h"
 #include "test_util.h"
 
 extern char** environ;

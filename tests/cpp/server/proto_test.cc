@@ -1,8 +1,8 @@
 #include <gtest/gtest.h>
 
 #include "cache_dit_opd/v1/opd.pb.h"
-#include "server/grpc_status.h"
-#include "server/proto_convert.h"
+#include "server/grpc/grpc_status.h"
+#include "server/grpc/proto_convert.h"
 
 namespace cache_dit_opd {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/region_registry.h"
+#include "server/session/region_registry.h"
 
 #include <gtest/gtest.h>
 

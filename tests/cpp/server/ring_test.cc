@@ -1,9 +1,9 @@
 // The shared-memory call ring, daemon side (proto/cache_dit_opd/v1/ring.h):
-// the record decoder (server/ring_codec.h), Executor::SubmitRejected, the
-// consumer thread (server/ring_consumer.h) over a real memfd mapping with the
+// the record decoder (common/ring_decode.h), Executor::SubmitRejected, the
+// consumer thread (server/ring/ring_consumer.h) over a real memfd mapping with the
 // real Executor and fake device ops, and the daemon wiring (offer, bind,
 // violation, teardown) through the session channel; and the client's C++
-// encoder and producer (client/ring_record.h, client/ring_producer.h)
+// encoder and producer (common/ring_encode.h, client/core/ring_producer.h)
 // against that decoder and consumer. CPU only.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -21,14 +21,14 @@
 #include <random>
 #include <thread>
 
-#include "client/ring_producer.h"
-#include "client/ring_record.h"
+#include "client/core/ring_producer.h"
+#include "common/ring_encode.h"
 #include "fakes.h"
 #include "ring_test_util.h"
 #include "server/daemon.h"
-#include "server/executor.h"
-#include "server/ring_codec.h"
-#include "server/ring_consumer.h"
+#include "server/exec/executor.h"
+#include "common/ring_decode.h"
+#include "server/ring/ring_consumer.h"
 #include "test_util.h"
 
 namespace cache_dit_opd {
@@ -936,7 +936,7 @@ TEST_F(RingConsumerTest, TeardownWithRecordsPendingNeitherHangsNorLosesADone) {
 }
 
 // ---------------------------------------------------------------------------
-// The client's C++ producer (client/ring_producer.h) against this consumer:
+// The client's C++ producer (client/core/ring_producer.h) against this consumer:
 // what the native Python client and the C++ client publish.
 
 class RingProducerTest : public RingConsumerTest {

@@ -21,7 +21,7 @@
 
 #include "cache_dit_opd/v1/ring.h"
 #include "cache_dit_opd/v1/session_memory.h"
-#include "server/call.h"
+#include "common/call.h"
 
 namespace cache_dit_opd::testing {
 

@@ -1,4 +1,4 @@
-#include "server/session_manager.h"
+#include "server/session/session_manager.h"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "fakes.h"
-#include "server/session_channel.h"
+#include "server/session/session_channel.h"
 #include "test_util.h"
 
 namespace cache_dit_opd {

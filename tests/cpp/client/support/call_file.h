@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "server/call.h"
-#include "server/status.h"
+#include "common/call.h"
+#include "common/status.h"
 
 namespace cache_dit_opd::testing {
 

@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "server/status.h"
+#include "common/status.h"
 #include "tests/cpp/client/support/call_file.h"
 
 namespace cache_dit_opd::testing {

@@ -1,0 +1,66 @@
+// File: client/core/cuda_backend.h
+//
+// The CUDA implementations of the client's two device-facing interfaces:
+//   CudaLaneOps            LaneStreamOps: semaphore writes and waits with
+//                          cuStreamWriteValue64_v2 / cuStreamWaitValue64_v2
+//                          on the shared memory mapped for the device, and
+//                          one fence event per lane.
+//   CudaAllocationBackend  AllocationBackend: cuPointerGetAttributes for the
+//                          hot-path lookup, cuMemGetAddressRange +
+//                          cuIpcGetMemHandle for the export.
+// Internal to opd_client.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "common/cuda/device_guard.h"
+#include "client/core/lanes.h"
+#include "client/core/regions.h"
+#include "client/core/session_mapping.h"
+
+namespace cache_dit_opd::client {
+
+class CudaLaneOps final : public LaneStreamOps {
+ public:
+  // `device_base`: device address of `memory->base()` (cuMemHostGetDevicePointer).
+  CudaLaneOps(const DriverApi* api, int device, const SessionMemory* memory, uint64_t device_base);
+  // Destroys the fence events; only once no stream can still wait on them
+  // (FencesPassed()), else call Leak() first.
+  ~CudaLaneOps() override;
+
+  Status WriteInputsReady(void* stream, uint32_t lane, uint64_t value) override;
+  Status WaitDone(void* stream, uint32_t lane, uint64_t value) override;
+  Status RecordFence(void* stream, uint32_t lane) override;
+  Status WaitFence(void* stream, uint32_t lane) override;
+
+  // 1: every recorded fence has completed (every stream passed its lane
+  // operations); 0: some have not yet; -1: a query failed (broken context or
+  // runtime shut down), nothing can be proven.
+  int FencesPassed() const;
+  void Leak() { leak_ = true; }
+
+ private:
+  const DriverApi* api_;
+  int device_;
+  const SessionMemory* memory_;
+  uint64_t device_base_;
+  // One per lane, created on first use; guarded by the lane's mutex in
+  // LaneTable (only Issue touches them), read by FencesPassed after the
+  // session stopped issuing.
+  std::vector<void*> events_;
+  bool leak_ = false;
+};
+
+class CudaAllocationBackend final : public AllocationBackend {
+ public:
+  explicit CudaAllocationBackend(const DriverApi* api) : api_(api) {}
+  Status Lookup(const void* ptr, AllocationInfo* info) override;
+  Status Export(const AllocationInfo& alloc, std::array<uint8_t, 64>* handle) override;
+
+ private:
+  const DriverApi* api_;
+};
+
+}  // namespace cache_dit_opd::client

@@ -1,0 +1,58 @@
+// File: common/cuda/driver_api.h
+//
+// The CUDA driver entry points the daemon and the C++ client use, resolved at
+// run time through cudaGetDriverEntryPointByVersion so that no binary links
+// libcuda: on a machine without a driver the daemon still loads, answers
+// GetVersion and reports NOT_SERVING, and a client program still loads
+// (DESIGN.md section 5). Target opd_cuda_driver.
+//
+// Versions are pinned: the stream memory operations are requested at 12000,
+// which resolves to the _v2 entry points (cuStreamWriteValue64_v2 /
+// cuStreamWaitValue64_v2). The unversioned v1 symbols return
+// CUDA_ERROR_NOT_SUPPORTED on current drivers (measured on the H200 host).
+//
+// Includes CUDA headers, never torch.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <string>
+
+#include "common/status.h"
+
+namespace cache_dit_opd::cuda {
+
+struct DriverApi {
+  PFN_cuStreamWriteValue64_v11070 stream_write_value64 = nullptr;  // cuStreamWriteValue64_v2
+  PFN_cuStreamWaitValue64_v11070 stream_wait_value64 = nullptr;    // cuStreamWaitValue64_v2
+  PFN_cuMemHostRegister_v6050 mem_host_register = nullptr;
+  PFN_cuMemHostUnregister_v4000 mem_host_unregister = nullptr;
+  PFN_cuMemHostGetDevicePointer_v3020 mem_host_get_device_pointer = nullptr;
+  PFN_cuMemGetAddressRange_v3020 mem_get_address_range = nullptr;
+  PFN_cuIpcGetMemHandle_v4010 ipc_get_mem_handle = nullptr;
+  PFN_cuPointerGetAttributes_v7000 pointer_get_attributes = nullptr;
+  PFN_cuGetErrorName_v6000 get_error_name = nullptr;
+  PFN_cuGetErrorString_v6000 get_error_string = nullptr;
+};
+
+// GetDriverApi
+//
+// Resolves every entry point once per process (thread-safe). Returns nullptr
+// and sets `*status` (UNAVAILABLE, naming the symbol and the runtime error)
+// when the driver or a symbol is missing.
+const DriverApi* GetDriverApi(Status* status);
+
+// "CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access was encountered)";
+// works without a driver (falls back to the number).
+std::string DriverErrorString(CUresult result);
+
+// "cudaErrorInvalidValue (invalid argument)" for a runtime error code.
+std::string RuntimeErrorString(int cuda_error);
+
+// True for the errors that leave the CUDA context unusable (illegal address,
+// launch failure, hardware exception, ECC, ...). The numeric values coincide
+// between driver (CUresult) and runtime (cudaError_t) for these codes.
+bool IsStickyCudaError(int code);
+
+}  // namespace cache_dit_opd::cuda

@@ -1,0 +1,84 @@
+#include "server/device/cuda_device_ops.h"
+
+#include <cuda_runtime_api.h>
+
+#include "common/cuda/driver_api.h"
+
+namespace cache_dit_opd::cuda {
+
+Status CudaDeviceOps::Create(int device, std::unique_ptr<CudaDeviceOps>* out) {
+  Status s;
+  if (GetDriverApi(&s) == nullptr) return s;
+  out->reset(new CudaDeviceOps(device));
+  return Status::Ok();
+}
+
+Status CudaDeviceOps::RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) {
+  Status s;
+  const DriverApi* api = GetDriverApi(&s);
+  if (api == nullptr) return s;
+  cudaError_t err = cudaSetDevice(device_);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Internal("cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
+  }
+  CUresult r = api->mem_host_register(p, bytes, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("cuMemHostRegister(", bytes, " bytes): ", DriverErrorString(r));
+  }
+  CUdeviceptr dptr = 0;
+  r = api->mem_host_get_device_pointer(&dptr, p, 0);
+  if (r != CUDA_SUCCESS) {
+    api->mem_host_unregister(p);
+    return Status::Internal("cuMemHostGetDevicePointer: ", DriverErrorString(r));
+  }
+  *device_address = static_cast<uint64_t>(dptr);
+  return Status::Ok();
+}
+
+void CudaDeviceOps::UnregisterHostMemory(void* p) {
+  const DriverApi* api = GetDriverApi(nullptr);
+  if (api == nullptr || p == nullptr) return;
+  cudaSetDevice(device_);
+  api->mem_host_unregister(p);
+}
+
+Status CudaDeviceOps::CreateStream(void** stream) {
+  cudaError_t err = cudaSetDevice(device_);
+  cudaStream_t s = nullptr;
+  // Non-blocking: a lane stream must never serialize with the legacy default
+  // stream that some library on the daemon's side might use.
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Internal("cudaStreamCreateWithFlags: ", RuntimeErrorString(err));
+  }
+  *stream = s;
+  return Status::Ok();
+}
+
+void CudaDeviceOps::DestroyStream(void* stream) {
+  if (stream == nullptr) return;
+  cudaSetDevice(device_);
+  cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+Status CudaDeviceOps::WriteValue64(void* stream, std::span<const uint64_t> addrs, uint64_t value,
+                                   bool* sticky) {
+  Status s;
+  const DriverApi* api = GetDriverApi(&s);
+  if (api == nullptr) return s;
+  for (uint64_t addr : addrs) {
+    // Default flags: the write is ordered after (and makes visible) all
+    // earlier work of the stream.
+    CUresult r = api->stream_write_value64(static_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr),
+                                           value, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r != CUDA_SUCCESS) {
+      if (sticky != nullptr && IsStickyCudaError(r)) *sticky = true;
+      return Status::Internal("cuStreamWriteValue64_v2: ", DriverErrorString(r));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace cache_dit_opd::cuda

@@ -1,0 +1,35 @@
+// File: server/device/cuda_device_ops.h
+//
+// DeviceOps (server/device/device_ops.h) on a real GPU: host-memory registration
+// with cuMemHostRegister (DEVICEMAP | PORTABLE), non-blocking streams, and
+// semaphore writes with cuStreamWriteValue64_v2. Every method first makes the
+// daemon's device current on the calling thread, so any daemon thread may
+// use it.
+#pragma once
+
+#include <memory>
+
+#include "server/device/device_ops.h"
+
+namespace cache_dit_opd::cuda {
+
+class CudaDeviceOps final : public DeviceOps {
+ public:
+  // CudaDeviceOps::Create
+  //
+  // UNAVAILABLE when the driver entry points cannot be resolved.
+  static Status Create(int device, std::unique_ptr<CudaDeviceOps>* out);
+
+  Status RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) override;
+  void UnregisterHostMemory(void* p) override;
+  Status CreateStream(void** stream) override;
+  void DestroyStream(void* stream) override;
+  Status WriteValue64(void* stream, std::span<const uint64_t> device_addresses, uint64_t value,
+                      bool* sticky) override;
+
+ private:
+  explicit CudaDeviceOps(int device) : device_(device) {}
+  int device_;
+};
+
+}  // namespace cache_dit_opd::cuda

@@ -1,0 +1,60 @@
+// File: server/device/device_ops.h
+//
+// The CUDA work that sessions, lanes and the executor need, behind a small
+// interface: the real implementation (server/device/cuda_device_ops.h, target
+// opd_cuda) goes through the CUDA runtime and driver entry points; CPU tests
+// use a fake that writes host memory directly. Plain C++: no CUDA headers.
+//
+// Addresses are "device addresses" (CUdeviceptr values) of host memory that
+// RegisterHostMemory mapped for the device. Streams are opaque
+// (cudaStream_t in the real implementation).
+//
+//   uint64_t dev = 0;
+//   OPD_RETURN_IF_ERROR(ops->RegisterHostMemory(page, 4096, &dev));
+//   void* stream = nullptr;
+//   OPD_RETURN_IF_ERROR(ops->CreateStream(&stream));
+//   uint64_t addrs[] = {dev};
+//   OPD_RETURN_IF_ERROR(ops->WriteValue64(stream, addrs, 7));  // page[0] = 7 once the stream gets there
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "common/status.h"
+
+namespace cache_dit_opd {
+
+class DeviceOps {
+ public:
+  virtual ~DeviceOps() = default;
+
+  // DeviceOps::RegisterHostMemory
+  //
+  // Page-locks [p, p + bytes) and maps it for the daemon's device
+  // (cuMemHostRegister with DEVICEMAP | PORTABLE); returns the device address
+  // of `p`. `p` and `bytes` must be page aligned. INTERNAL with the driver's
+  // error name on failure.
+  virtual Status RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) = 0;
+  // Undoes RegisterHostMemory. Only called once no stream can still write
+  // the memory.
+  virtual void UnregisterHostMemory(void* p) = 0;
+
+  // DeviceOps::CreateStream
+  //
+  // A new non-blocking stream (cudaStreamNonBlocking) on the daemon's device.
+  virtual Status CreateStream(void** stream) = 0;
+  // Releases a stream; returns at once (pending work still completes).
+  virtual void DestroyStream(void* stream) = 0;
+
+  // DeviceOps::WriteValue64
+  //
+  // Enqueues on `stream`, after the stream's earlier work, a 64-bit write of
+  // `value` to each address, in order (cuStreamWriteValue64_v2). Never waits
+  // for the GPU. INTERNAL on failure; `*sticky` (when non-null) is set when
+  // the error leaves the CUDA context unusable.
+  virtual Status WriteValue64(void* stream, std::span<const uint64_t> device_addresses,
+                              uint64_t value, bool* sticky) = 0;
+};
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,72 @@
+#include "server/device/device_probe.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+
+#include "common/cuda/driver_api.h"
+
+namespace cache_dit_opd::cuda {
+
+std::string FormatGpuUuid(const unsigned char b[16]) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf),
+                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+                b[14], b[15]);
+  return buf;
+}
+
+DeviceInfo ProbeDevice(int device) {
+  DeviceInfo info;
+  cudaRuntimeGetVersion(&info.runtime_version);
+  // Returns 0 (and success) when no driver is installed.
+  cudaDriverGetVersion(&info.driver_version);
+
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    info.reason = "no GPU: cudaGetDeviceCount: " + RuntimeErrorString(err);
+    if (info.driver_version == 0) info.reason += "; no CUDA driver is installed";
+    return info;
+  }
+  if (count == 0) {
+    info.reason = "no GPU: no CUDA device is visible";
+    return info;
+  }
+  if (device < 0 || device >= count) {
+    info.reason = "no GPU: --device " + std::to_string(device) + " but " + std::to_string(count) +
+                  " CUDA device(s) are visible";
+    return info;
+  }
+  info.index = device;
+
+  cudaDeviceProp prop{};
+  err = cudaGetDeviceProperties(&prop, device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    info.reason = "GPU " + std::to_string(device) + ": cudaGetDeviceProperties: " + RuntimeErrorString(err);
+    return info;
+  }
+  info.name = prop.name;
+  info.uuid = FormatGpuUuid(reinterpret_cast<const unsigned char*>(prop.uuid.bytes));
+
+  err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaFree(nullptr);  // creates the primary context now, not on the first call
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    info.reason = "GPU " + std::to_string(device) + " (" + info.uuid + "): CUDA context: " + RuntimeErrorString(err);
+    return info;
+  }
+
+  Status s;
+  if (GetDriverApi(&s) == nullptr) {
+    info.reason = "GPU " + std::to_string(device) + ": " + s.message();
+    return info;
+  }
+  info.ok = true;
+  return info;
+}
+
+}  // namespace cache_dit_opd::cuda

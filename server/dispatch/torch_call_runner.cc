@@ -1,0 +1,564 @@
+#include "server/dispatch/torch_call_runner.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <iterator>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include "common/torch/scalar_type.h"
+
+namespace cache_dit_opd {
+namespace {
+
+constexpr std::string_view kNamespace = "cache_dit_cuda_ops";
+
+std::string FormatDims(const std::vector<int64_t>& dims) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
+  os << ']';
+  return os.str();
+}
+
+std::string DescribeView(const TensorRef& t) {
+  return "sizes " + FormatDims(t.sizes) + ", strides " + FormatDims(t.strides) + ", " +
+         DTypeName(t.dtype) + " at byte offset " + std::to_string(t.byte_offset) + " of region " +
+         std::to_string(t.region_id);
+}
+
+
+const char* ArgKindName(const Arg& value) {
+  static constexpr const char* kNames[] = {"None", "Tensor", "int",     "float",
+                                           "bool", "int[]",  "float[]", "bool[]"};
+  static_assert(std::size(kNames) == std::variant_size_v<Arg>);
+  return kNames[value.index()];
+}
+
+std::string Quoted(const std::string& s) { return "'" + s + "'"; }
+
+// The types PrepareCall can build an IValue for from an Arg. Checked before
+// any value so that an unsupported Optional fails the same way with or
+// without a None.
+bool IsSupported(const c10::Type& type) {
+  switch (type.kind()) {
+    case c10::TypeKind::TensorType:
+    case c10::TypeKind::IntType:
+    case c10::TypeKind::SymIntType:
+    case c10::TypeKind::FloatType:
+    case c10::TypeKind::BoolType:
+    case c10::TypeKind::ScalarTypeType: return true;
+    case c10::TypeKind::OptionalType:
+      return IsSupported(*type.expectRef<c10::OptionalType>().getElementType());
+    case c10::TypeKind::ListType: {
+      const c10::TypeKind elem = type.expectRef<c10::ListType>().getElementType()->kind();
+      return elem == c10::TypeKind::IntType || elem == c10::TypeKind::SymIntType ||
+             elem == c10::TypeKind::FloatType || elem == c10::TypeKind::BoolType;
+    }
+    default: return false;
+  }
+}
+
+bool MentionsTensor(const c10::Type& type) {
+  if (type.kind() == c10::TypeKind::TensorType) return true;
+  for (const c10::TypePtr& contained : type.containedTypes()) {
+    if (MentionsTensor(*contained)) return true;
+  }
+  return false;
+}
+
+// Every byte the view can address lies in the region. Written views must be
+// dense as well: kernels write outputs as if contiguous, so a zero or
+// overlapping stride would let a write leave the checked extent.
+Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
+  const size_t dims = t.sizes.size();
+  if (dims > static_cast<size_t>(kMaxTensorDims)) {
+    return Status::InvalidArgument("has ", dims, " dims, at most ", kMaxTensorDims, " allowed");
+  }
+  if (t.strides.size() != dims) {
+    return Status::InvalidArgument("has ", dims, " sizes but ", t.strides.size(), " strides");
+  }
+  const int64_t itemsize = DTypeSize(t.dtype);
+  if (itemsize <= 0 || !ToScalarType(t.dtype)) {
+    return Status::InvalidArgument("has unknown dtype ", DTypeName(t.dtype));
+  }
+
+  int64_t numel = 1;
+  for (size_t i = 0; i < dims; ++i) {
+    if (t.sizes[i] < 0) {
+      return Status::InvalidArgument("has negative size ", t.sizes[i], " in dim ", i, " (",
+                                     DescribeView(t), ")");
+    }
+    if (t.strides[i] < 0) {
+      return Status::InvalidArgument("has negative stride ", t.strides[i], " in dim ", i, " (",
+                                     DescribeView(t), ")");
+    }
+    if (__builtin_mul_overflow(numel, t.sizes[i], &numel)) {
+      return Status::InvalidArgument("has an element count that overflows int64 (", DescribeView(t),
+                                     ")");
+    }
+  }
+  if (t.byte_offset > region.size) {
+    return Status::InvalidArgument("starts at byte offset ", t.byte_offset,
+                                   ", past the end of region ", t.region_id, " (", region.size,
+                                   " bytes)");
+  }
+  const auto item = static_cast<uint64_t>(itemsize);
+  if (t.byte_offset % item != 0 ||
+      (reinterpret_cast<uintptr_t>(region.base) + t.byte_offset) % item != 0) {
+    return Status::InvalidArgument("is not aligned to its ", item, "-byte elements (region base ",
+                                   region.base, ", ", DescribeView(t), ")");
+  }
+  if (numel == 0) return Status::Ok();
+
+  uint64_t last = 0;  // element index of the view's last element
+  uint64_t end = 0;   // one past its last byte, from the region base
+  bool overflow = false;
+  for (size_t i = 0; i < dims && !overflow; ++i) {
+    uint64_t span = 0;
+    overflow = __builtin_mul_overflow(static_cast<uint64_t>(t.sizes[i] - 1),
+                                      static_cast<uint64_t>(t.strides[i]), &span) ||
+               __builtin_add_overflow(last, span, &last);
+  }
+  overflow = overflow || __builtin_add_overflow(last, uint64_t{1}, &end) ||
+             __builtin_mul_overflow(end, item, &end) ||
+             __builtin_add_overflow(end, t.byte_offset, &end);
+  if (overflow) {
+    return Status::InvalidArgument("has an extent that overflows 64-bit byte arithmetic (",
+                                   DescribeView(t), ")");
+  }
+  if (end > region.size) {
+    return Status::InvalidArgument("ends at byte ", end, ", past the end of region ", t.region_id,
+                                   " (", region.size, " bytes; ", DescribeView(t), ")");
+  }
+
+  if (written) {
+    int64_t expected = 1;  // cannot overflow: bounded by numel
+    for (size_t i = dims; i-- > 0;) {
+      if (t.sizes[i] == 1) continue;
+      if (t.strides[i] != expected) {
+        return Status::InvalidArgument("is written by the op and must be contiguous, but dim ", i,
+                                       " has stride ", t.strides[i], " where ", expected,
+                                       " is needed (", DescribeView(t), ")");
+      }
+      expected *= t.sizes[i];
+    }
+  }
+  return Status::Ok();
+}
+
+// Decodes one call's arguments against its schema into a boxed stack.
+class ArgDecoder {
+ public:
+  ArgDecoder(const std::string& op_name, const RegionResolver& regions, bool meta)
+      : op_name_(op_name), regions_(regions), meta_(meta) {}
+
+  Status Decode(const c10::FunctionSchema& schema, const std::vector<Arg>& args,
+                std::vector<c10::IValue>* stack) {
+    const std::vector<c10::Argument>& params = schema.arguments();
+    if (args.size() != params.size()) {
+      return Status::InvalidArgument(op_name_, " expects ", params.size(),
+                                     " arguments (kwarg-only included), got ", args.size());
+    }
+    stack->reserve(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const c10::Argument& param = params[i];
+      if (!IsSupported(*param.real_type())) {
+        return Status::Unimplemented(Where(param), " has schema type ", param.real_type()->str(),
+                                     ", which the daemon cannot decode");
+      }
+      c10::IValue value;
+      OPD_RETURN_IF_ERROR(DecodeValue(param, *param.real_type(), args[i], &value));
+      stack->push_back(std::move(value));
+    }
+    return Status::Ok();
+  }
+
+  std::vector<uint64_t> TakeRegions() { return std::move(region_ids_); }
+  int device() const { return device_; }
+
+ private:
+  std::string Where(const c10::Argument& param) const {
+    return op_name_ + " argument " + Quoted(param.name());
+  }
+
+  Status WrongType(const c10::Argument& param, const Arg& value) const {
+    if (std::holds_alternative<NoneArg>(value) &&
+        param.real_type()->kind() == c10::TypeKind::TensorType) {
+      return Status::InvalidArgument(Where(param), " is a required Tensor, got None");
+    }
+    return Status::InvalidArgument(Where(param), " has schema type ", param.real_type()->str(),
+                                   ", got ", ArgKindName(value));
+  }
+
+  Status DecodeValue(const c10::Argument& param, const c10::Type& type, const Arg& value,
+                     c10::IValue* out) {
+    switch (type.kind()) {
+      case c10::TypeKind::OptionalType:
+        if (std::holds_alternative<NoneArg>(value)) {
+          *out = c10::IValue();
+          return Status::Ok();
+        }
+        return DecodeValue(param, *type.expectRef<c10::OptionalType>().getElementType(), value,
+                           out);
+      case c10::TypeKind::TensorType:
+        if (const auto* ref = std::get_if<TensorRef>(&value)) return DecodeTensor(param, *ref, out);
+        break;
+      case c10::TypeKind::IntType:
+      case c10::TypeKind::SymIntType:
+        if (const auto* v = std::get_if<int64_t>(&value)) {
+          *out = *v;
+          return Status::Ok();
+        }
+        break;
+      case c10::TypeKind::FloatType:
+        if (const auto* v = std::get_if<double>(&value)) {
+          *out = *v;
+          return Status::Ok();
+        }
+        break;
+      case c10::TypeKind::BoolType:
+        if (const auto* v = std::get_if<bool>(&value)) {
+          *out = *v;
+          return Status::Ok();
+        }
+        break;
+      case c10::TypeKind::ScalarTypeType:
+        // Sent as the wire DType number, the same vocabulary as TensorRef.dtype.
+        if (const auto* v = std::get_if<int64_t>(&value)) {
+          const std::optional<at::ScalarType> scalar_type =
+              *v >= std::numeric_limits<int32_t>::min() && *v <= std::numeric_limits<int32_t>::max()
+                  ? ToScalarType(static_cast<DType>(static_cast<int32_t>(*v)))
+                  : std::nullopt;
+          if (!scalar_type) {
+            return Status::InvalidArgument(Where(param), " has unknown dtype value ", *v);
+          }
+          *out = *scalar_type;
+          return Status::Ok();
+        }
+        break;
+      case c10::TypeKind::ListType:
+        switch (type.expectRef<c10::ListType>().getElementType()->kind()) {
+          case c10::TypeKind::FloatType: return DecodeList<double>(param, value, out);
+          case c10::TypeKind::BoolType: return DecodeList<bool>(param, value, out);
+          default: return DecodeList<int64_t>(param, value, out);
+        }
+      default: break;
+    }
+    return WrongType(param, value);
+  }
+
+  template <typename T>
+  Status DecodeList(const c10::Argument& param, const Arg& value, c10::IValue* out) const {
+    const auto* items = std::get_if<std::vector<T>>(&value);
+    if (items == nullptr) return WrongType(param, value);
+    if (items->size() > static_cast<size_t>(kMaxListLength)) {
+      return Status::InvalidArgument(Where(param), " has ", items->size(), " items, at most ",
+                                     kMaxListLength, " allowed");
+    }
+    if (param.N() && items->size() != static_cast<size_t>(*param.N())) {
+      return Status::InvalidArgument(Where(param), " needs exactly ", *param.N(), " items, got ",
+                                     items->size());
+    }
+    c10::List<T> list;
+    list.reserve(items->size());
+    for (const T item : *items) list.push_back(item);
+    *out = std::move(list);
+    return Status::Ok();
+  }
+
+  Status DecodeTensor(const c10::Argument& param, const TensorRef& ref, c10::IValue* out) {
+    MappedRegion region;
+    if (Status s = regions_.Resolve(ref.region_id, &region); !s.ok()) {
+      return Status(s.code(), Where(param) + ": " + s.message());
+    }
+    const bool written = param.alias_info() != nullptr && param.alias_info()->isWrite();
+    if (Status s = CheckView(ref, region, written); !s.ok()) {
+      return Status(s.code(), Where(param) + " " + s.message());
+    }
+    if (!meta_) {
+      if (region.device < 0 || region.device > std::numeric_limits<c10::DeviceIndex>::max()) {
+        return Status::Internal(Where(param), ": region ", ref.region_id, " has no valid device (",
+                                region.device, ")");
+      }
+      if (device_ >= 0 && region.device != device_) {
+        return Status::InvalidArgument(Where(param), " is in region ", ref.region_id, " on device ",
+                                       region.device,
+                                       ", but the call's other tensors are on device ", device_);
+      }
+    }
+    device_ = region.device;
+    if (std::find(region_ids_.begin(), region_ids_.end(), ref.region_id) == region_ids_.end()) {
+      region_ids_.push_back(ref.region_id);
+    }
+
+    const at::TensorOptions options = at::TensorOptions().dtype(*ToScalarType(ref.dtype));
+    if (meta_) {
+      *out = at::empty_strided(ref.sizes, ref.strides, options.device(at::kMeta));
+      return Status::Ok();
+    }
+    // An explicit target device keeps from_blob from asking the driver which
+    // device owns the pointer, so wrapping needs no CUDA call (and no GPU).
+    const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(region.device));
+    *out = at::for_blob(static_cast<char*>(region.base) + ref.byte_offset, ref.sizes)
+               .strides(ref.strides)
+               .options(options.device(device))
+               .target_device(device)
+               .make_tensor();
+    return Status::Ok();
+  }
+
+  const std::string& op_name_;
+  const RegionResolver& regions_;
+  const bool meta_;
+  std::vector<uint64_t> region_ids_;
+  int device_ = -1;
+};
+
+// A fresh output would come from the daemon's caching allocator, freed as
+// soon as the call returns while its kernel may still run on the lane's
+// stream; clients own every output, so only overloads that write arguments
+// are served.
+Status CheckWritesOnly(const c10::FunctionSchema& schema, const std::string& op_name) {
+  for (const c10::Argument& ret : schema.returns()) {
+    const bool aliases_written = ret.alias_info() != nullptr && ret.alias_info()->isWrite();
+    if (MentionsTensor(*ret.real_type()) && !aliases_written) {
+      return Status::InvalidArgument(op_name, " returns a new tensor; the daemon runs only ",
+                                     "overloads that write caller-owned tensors (such as .out)");
+    }
+  }
+  return Status::Ok();
+}
+
+Status OpNotFound(const std::string& qualified, const std::string& overload) {
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+  std::vector<std::string> overloads;
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name == qualified && dispatcher.findSchema(name)) {
+      overloads.push_back(Quoted(name.overload_name));
+    }
+  }
+  if (overloads.empty()) {
+    return Status::NotFound("op ", qualified, " is not registered (is its library loaded?)");
+  }
+  std::sort(overloads.begin(), overloads.end());
+  std::string known;
+  for (const std::string& o : overloads) known += (known.empty() ? "" : ", ") + o;
+  return Status::NotFound("op ", qualified, " has no overload ", Quoted(overload),
+                          " (registered: ", known, ")");
+}
+
+// Errors that leave the CUDA context unusable: every later call in this
+// process fails the same way, so the daemon must exit and be restarted.
+bool IsStickyCudaError(cudaError_t error) {
+  switch (error) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice: return true;
+    default: return false;
+  }
+}
+
+Status CudaErrorStatus(const std::string& op_name, cudaError_t error, const char* what,
+                       bool* sticky_cuda_error) {
+  const bool sticky = IsStickyCudaError(error);
+  if (sticky && sticky_cuda_error != nullptr) *sticky_cuda_error = true;
+  return Status::Internal(op_name, ": CUDA error ", cudaGetErrorName(error), " (",
+                          static_cast<int>(error), "): ", what,
+                          sticky ? " [sticky: the CUDA context is unusable]" : "");
+}
+
+class PreparedCallImpl final : public PreparedCall {
+ public:
+  PreparedCallImpl(std::string op_name, c10::OperatorHandle op, std::vector<c10::IValue> args,
+                   std::vector<uint64_t> regions, int device, bool meta)
+      : op_name_(std::move(op_name)),
+        op_(std::move(op)),
+        args_(std::move(args)),
+        regions_(std::move(regions)),
+        device_(device),
+        meta_(meta) {}
+
+  const std::string& op_name() const override { return op_name_; }
+  const std::vector<uint64_t>& regions() const override { return regions_; }
+
+  Status Validate() {
+    if (meta_ || !op_.hasKernelForDispatchKey(c10::DispatchKey::Meta)) return Status::Ok();
+    try {
+      c10::InferenceMode inference;
+      torch::jit::Stack stack = args_;
+      // The Meta kernel of an out overload checks and returns its outputs;
+      // it reads only metadata and addresses, never the memory.
+      op_.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    } catch (const c10::Error& e) {
+      return Status::InvalidArgument(op_name_, ": ", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      return Status::Internal(op_name_, ": ", e.what());
+    }
+    return Status::Ok();
+  }
+
+  Status Run(cudaStream_t stream, bool* sticky_cuda_error) {
+    Status status;
+    try {
+      // Skips autograd and version-counter bookkeeping; nothing here is
+      // differentiated.
+      c10::InferenceMode inference;
+      // A copy (reference counts only) keeps the call re-runnable.
+      torch::jit::Stack stack = args_;
+      if (meta_) {
+        op_.callBoxed(stack);
+        return Status::Ok();
+      }
+      const auto device =
+          static_cast<c10::DeviceIndex>(device_ >= 0 ? device_ : c10::cuda::current_device());
+      c10::cuda::CUDAGuard device_guard(device);
+      c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromExternal(stream, device));
+      // A stale non-sticky error belongs to some earlier call on this thread
+      // (a failed IPC open, say); left set, the op's launch check would
+      // report it as its own.
+      if (const cudaError_t stale = cudaGetLastError(); IsStickyCudaError(stale)) {
+        return CudaErrorStatus(op_name_, stale, "before launch", sticky_cuda_error);
+      }
+      op_.callBoxed(stack);
+    } catch (const c10::AcceleratorError& e) {
+      status = CudaErrorStatus(op_name_, static_cast<cudaError_t>(e.get_error_code()),
+                               e.what_without_backtrace(), sticky_cuda_error);
+    } catch (const c10::NotImplementedError& e) {
+      status = Status::Unimplemented(op_name_, ": ", e.what_without_backtrace());
+    } catch (const c10::OutOfMemoryError& e) {
+      status = Status::ResourceExhausted(op_name_, ": ", e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      status = Status::InvalidArgument(op_name_, ": ", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      status = Status::Internal(op_name_, ": ", e.what());
+    }
+    if (meta_) return status;
+    // Launch errors the op did not check itself, and faults of earlier
+    // kernels that surface only now.
+    if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
+      Status cuda_status = CudaErrorStatus(op_name_, error, "after launch", sticky_cuda_error);
+      if (status.ok()) status = std::move(cuda_status);
+    }
+    return status;
+  }
+
+ private:
+  const std::string op_name_;
+  const c10::OperatorHandle op_;
+  const std::vector<c10::IValue> args_;
+  const std::vector<uint64_t> regions_;
+  const int device_;
+  const bool meta_;
+};
+
+}  // namespace
+
+std::vector<OpInfo> ListOps() {
+  const std::string prefix = std::string(kNamespace) + "::";
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+  std::vector<OpInfo> ops;
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind(prefix, 0) != 0) continue;
+    // An impl can be registered before (or without) its def; such a name has
+    // no schema to serve.
+    const std::optional<c10::OperatorHandle> op = dispatcher.findSchema(name);
+    if (!op) continue;
+    ops.push_back(
+        {name.name.substr(prefix.size()), name.overload_name, c10::toString(op->schema())});
+  }
+  std::sort(ops.begin(), ops.end(), [](const OpInfo& a, const OpInfo& b) {
+    return std::tie(a.name, a.overload) < std::tie(b.name, b.overload);
+  });
+  return ops;
+}
+
+Status LoadOpLibrary(const std::string& path) {
+  try {
+    // RTLD_GLOBAL so that libraries loaded later can resolve this one's
+    // symbols; the handle is never closed because the dispatcher keeps
+    // pointers into the library.
+    if (dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      const char* error = dlerror();
+      return Status::InvalidArgument("cannot load op library ", path, ": ",
+                                     error != nullptr ? error : "unknown dlopen error");
+    }
+  } catch (const c10::Error& e) {
+    // A TORCH_LIBRARY registration that conflicts with one already loaded
+    // throws from the library's static initializers.
+    return Status::InvalidArgument("op library ", path,
+                                   " failed to register: ", e.what_without_backtrace());
+  }
+  return Status::Ok();
+}
+
+Status PrepareCall(const CallRequest& req, const RegionResolver& regions, bool device_type_meta,
+                   std::unique_ptr<PreparedCall>* out) {
+  const std::string qualified = std::string(kNamespace) + "::" + req.op;
+  std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({qualified, req.overload});
+  if (!op) return OpNotFound(qualified, req.overload);
+  const std::string op_name = req.overload.empty() ? qualified : qualified + "." + req.overload;
+  const c10::FunctionSchema& schema = op->schema();
+  OPD_RETURN_IF_ERROR(CheckWritesOnly(schema, op_name));
+
+  std::vector<c10::IValue> args;
+  ArgDecoder decoder(op_name, regions, device_type_meta);
+  try {
+    // Inference tensors, to match the InferenceMode that RunCall runs in.
+    c10::InferenceMode inference;
+    OPD_RETURN_IF_ERROR(decoder.Decode(schema, req.args, &args));
+  } catch (const c10::Error& e) {
+    return Status::InvalidArgument(op_name, ": ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal(op_name, ": ", e.what());
+  }
+  const int device = decoder.device();
+  *out = std::make_unique<PreparedCallImpl>(op_name, std::move(*op), std::move(args),
+                                            decoder.TakeRegions(), device, device_type_meta);
+  return Status::Ok();
+}
+
+Status ValidateCall(PreparedCall& call) {
+  auto* prepared = dynamic_cast<PreparedCallImpl*>(&call);
+  if (prepared == nullptr) return Status::Internal("ValidateCall takes only calls made by PrepareCall");
+  return prepared->Validate();
+}
+
+Status RunCall(PreparedCall& call, void* cuda_stream, bool* sticky_cuda_error) {
+  auto* prepared = dynamic_cast<PreparedCallImpl*>(&call);
+  if (prepared == nullptr) return Status::Internal("RunCall takes only calls made by PrepareCall");
+  return prepared->Run(static_cast<cudaStream_t>(cuda_stream), sticky_cuda_error);
+}
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,406 @@
+#include "server/exec/executor.h"
+
+#include <algorithm>
+#include <array>
+
+#include <sys/prctl.h>
+
+#include <spdlog/spdlog.h>
+
+#include "common/cpu_relax.h"
+#include "server/session/region_registry.h"
+
+
+namespace cache_dit_opd {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+}  // namespace
+
+Executor::Executor(DeviceOps* device, CallRunner* runner, DaemonStats* stats, ExecutorOptions options,
+                   FatalHook on_fatal)
+    : device_(device), runner_(runner), stats_(stats), options_(options), on_fatal_(std::move(on_fatal)) {}
+
+Executor::~Executor() { Stop(); }
+
+void Executor::Start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (started_) return;
+  started_ = true;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Executor::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    news_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) {
+    thread_.join();
+    return;
+  }
+  // Never started: run what was handed over so no completion is lost.
+  std::vector<Item> intake;
+  std::vector<Command> commands;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    intake.swap(intake_);
+    commands.swap(commands_);
+    pending_ = 0;
+  }
+  for (Item& it : intake) it.done(Status::Unavailable("the daemon is shutting down"));
+  for (Command& c : commands) {
+    if (c.then) c.then();
+  }
+}
+
+Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
+  const uint32_t lane_index = item.req.lane;
+  const uint64_t seq = item.req.seq;
+  if (lane_index >= session->lane_count()) {
+    return Status::InvalidArgument("lane ", lane_index, " out of range: session ", session->id(), " has ",
+                                   session->lane_count(), " lane(s)");
+  }
+  if (seq == 0) return Status::InvalidArgument("lane ", lane_index, ": seq 0 is invalid (a lane's first seq is 1)");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Lane& lane = session->lane(lane_index);
+    if (fatal_) return fatal_status_;
+    if (stop_) return Status::Unavailable("the daemon is shutting down");
+    if (session->state() != SessionState::kBound) {
+      return session->state() == SessionState::kClosed
+                 ? Status::FailedPrecondition("session ", session->id(), " has ended")
+                 : Status::FailedPrecondition("session ", session->id(), " is not bound yet");
+    }
+    if (seq != lane.next_seq) {
+      return Status::InvalidArgument("lane ", lane_index, ": expected seq ", lane.next_seq, ", got ", seq);
+    }
+    ++lane.next_seq;
+    intake_.push_back(std::move(item));
+    ++pending_;
+    news_.store(true, std::memory_order_release);
+  }
+  cv_.notify_one();
+  return Status::Ok();
+}
+
+void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done) {
+  Item item{session, std::move(req), std::move(done), Clock::now(), {}, nullptr, Status(), false};
+  Status reject = Enqueue(session, item);
+  if (!reject.ok()) {
+    session->errors.fetch_add(1, std::memory_order_relaxed);
+    if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+    item.done(reject);
+  }
+}
+
+void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq, Status reason,
+                              Completion done) {
+  if (reason.ok()) reason = Status::Internal("SubmitRejected without a reason");
+  CallRequest req;
+  req.op = "(rejected by its transport)";
+  req.lane = lane;
+  req.seq = seq;
+  // Answered now, on this thread: the verdict is already known. Queued as
+  // answered, so at its turn Finish only writes "done" and counts the error.
+  Item item{session, std::move(req), [](const Status&) {}, Clock::now(), Clock::now(), nullptr, reason, true};
+  Status reject = Enqueue(session, item);
+  if (!reject.ok()) {
+    session->errors.fetch_add(1, std::memory_order_relaxed);
+    if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+  }
+  done(reason);
+}
+
+void Executor::DropSession(const std::shared_ptr<Session>& session, Status reason, std::function<void()> then) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    commands_.push_back(Command{session, std::move(reason), std::move(then)});
+    news_.store(true, std::memory_order_release);
+  }
+  cv_.notify_one();
+  std::vector<Command> inline_commands;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Not running: no call of ours is queued; run the continuation here.
+    if (!started_ || exited_) inline_commands.swap(commands_);
+  }
+  for (Command& c : inline_commands) {
+    if (c.then) c.then();
+  }
+}
+
+void Executor::DropAll(Status reason) { DropSession(nullptr, std::move(reason), nullptr); }
+
+size_t Executor::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_;
+}
+
+bool Executor::failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fatal_;
+}
+
+void Executor::Fail(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fatal_) return;
+    fatal_ = true;
+    fatal_status_ = status;
+  }
+  spdlog::critical("executor: {}; failing every session", status.message());
+  if (on_fatal_) on_fatal_(status);
+}
+
+void Executor::Finish(LaneQueue& q, Item& item, Status status) {
+  Lane& lane = *q.lane;
+  const uint64_t seq = item.req.seq;
+  bool dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dead = fatal_;
+  }
+  if (!dead) {
+    // Shared "done" first, then the daemon's private copy: when the daemon
+    // sees its copy reach seq, the client's has too.
+    const std::array<uint64_t, 2> addrs{lane.shm_done_address, lane.completed_address};
+    bool sticky = false;
+    Status w = device_->WriteValue64(lane.stream, addrs, seq, &sticky);
+    if (w.ok()) {
+      lane.enqueued.store(seq, std::memory_order_release);
+    } else {
+      spdlog::error("session {} lane {}: writing done={} failed: {}", q.session->id(), lane.index, seq,
+                    w.message());
+      if (status.ok()) status = w;
+      if (sticky) {
+        status = Status::Unavailable("sticky CUDA error: ", w.message());
+        Fail(status);
+      }
+    }
+  } else if (status.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    status = fatal_status_;
+  }
+  if (status.ok()) {
+    q.session->calls.fetch_add(1, std::memory_order_relaxed);
+    if (stats_) stats_->calls.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    q.session->errors.fetch_add(1, std::memory_order_relaxed);
+    if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (stats_) {
+    stats_->call_latency_us.Record(Micros(Clock::now() - item.received));
+  }
+  item.prepared.reset();
+  Completion done = std::move(item.done);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --pending_;
+  }
+  if (!item.answered) {
+    done(status);
+  } else if (!status.ok() && item.verdict.ok()) {
+    spdlog::error("session {} lane {}: {} (seq {}) failed after it was accepted: {}", q.session->id(),
+                  lane.index, item.req.op, seq, status.message());
+  }
+}
+
+void Executor::Accept(LaneQueue& q, Item& item) {
+  CallRegionResolver resolver(&q.session->regions(), q.lane->index, item.req.seq);
+  Status s = runner_->Prepare(item.req, resolver, &item.prepared);
+  if (s.ok() && !item.prepared) s = Status::Internal("dispatch prepared nothing for ", item.req.op);
+  if (s.ok()) s = runner_->Validate(*item.prepared);
+  if (!s.ok()) item.prepared.reset();
+  item.verdict = s;
+  item.answered = true;
+  item.answered_at = Clock::now();
+  if (stats_) stats_->accept_us.Record(Micros(item.answered_at - item.received));
+  Completion done = item.done;
+  done(s);
+}
+
+bool Executor::RunReady() {
+  bool progress = false;
+  bool dead;
+  Status fatal_status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dead = fatal_;
+    fatal_status = fatal_status_;
+  }
+  for (auto qit = queues_.begin(); qit != queues_.end();) {
+    LaneQueue& q = qit->second;
+    Lane& lane = *q.lane;
+    Session& session = *q.session;
+    if (!dead) {
+      for (Item& item : q.items) {
+        if (!item.answered) {
+          Accept(q, item);
+          progress = true;
+        }
+      }
+    }
+    for (int n = 0; n < options_.max_calls_per_lane_turn && !q.items.empty(); ++n) {
+      Item& item = q.items.front();
+      if (dead) {
+        Finish(q, item, fatal_status);
+        q.items.pop_front();
+        progress = true;
+        continue;
+      }
+      if (!item.verdict.ok()) {  // rejected at acceptance: its "done", in order
+        Finish(q, item, item.verdict);
+        q.items.pop_front();
+        progress = true;
+        continue;
+      }
+      // The host-side gate: never park a GPU wait on a client's value.
+      if (session.memory().InputsReady(lane.index) < item.req.seq) break;
+      const Clock::time_point run_start = Clock::now();
+      bool sticky = false;
+      Status s = runner_->Run(*item.prepared, lane.stream, &sticky);
+      if (sticky) {
+        Status fatal = Status::Unavailable("sticky CUDA error in ", item.req.op, ": ", s.message());
+        Fail(fatal);
+        dead = true;
+        fatal_status = fatal;
+        s = fatal;
+      }
+      Finish(q, item, s);
+      if (stats_) {
+        stats_->inputs_wait_us.Record(Micros(run_start - item.answered_at));
+        stats_->run_us.Record(Micros(Clock::now() - run_start));
+      }
+      q.items.pop_front();
+      progress = true;
+    }
+    if (q.items.empty()) {
+      qit = queues_.erase(qit);
+    } else {
+      ++qit;
+    }
+  }
+  return progress;
+}
+
+void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reason) {
+  for (auto qit = queues_.begin(); qit != queues_.end();) {
+    LaneQueue& q = qit->second;
+    if (session && q.session != session) {
+      ++qit;
+      continue;
+    }
+    bool dead;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dead = fatal_;
+    }
+    uint64_t last = 0;
+    for (Item& item : q.items) last = std::max(last, item.req.seq);
+    if (!dead && last > 0) {
+      // One write covers every dropped seq: waits are ">= n" and monotone.
+      Lane& lane = *q.lane;
+      const std::array<uint64_t, 2> addrs{lane.shm_done_address, lane.completed_address};
+      bool sticky = false;
+      Status w = device_->WriteValue64(lane.stream, addrs, last, &sticky);
+      if (w.ok()) {
+        lane.enqueued.store(last, std::memory_order_release);
+      } else {
+        spdlog::error("session {} lane {}: releasing done={} failed: {}", q.session->id(), lane.index, last,
+                      w.message());
+        if (sticky) Fail(Status::Unavailable("sticky CUDA error: ", w.message()));
+      }
+    }
+    size_t dropped = q.items.size();
+    for (Item& item : q.items) {
+      item.prepared.reset();
+      q.session->errors.fetch_add(1, std::memory_order_relaxed);
+      if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+      if (!item.answered) item.done(reason);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ -= dropped;
+    }
+    qit = queues_.erase(qit);
+  }
+}
+
+void Executor::Loop() {
+  // A 10 us backoff sleep would otherwise last the default 50 us slack.
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+  auto spin_until = Clock::now() + options_.spin;
+  std::chrono::microseconds backoff{0};
+  bool waiting = false;  // queued calls exist but none could run
+  while (true) {
+    // Spin without the lock while progress is recent and nothing is queued:
+    // the next call of a busy client lands here instead of waking a
+    // sleeping thread.
+    if (queues_.empty()) {
+      while (!news_.load(std::memory_order_acquire) && Clock::now() < spin_until) CpuRelax();
+    }
+    std::vector<Item> intake;
+    std::vector<Command> commands;
+    bool stopping = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto has_news = [&] { return stop_ || !intake_.empty() || !commands_.empty(); };
+      if (queues_.empty()) {
+        cv_.wait(lock, has_news);
+      } else if (waiting && Clock::now() >= spin_until) {
+        cv_.wait_for(lock, backoff, has_news);
+      }
+      intake.swap(intake_);
+      commands.swap(commands_);
+      stopping = stop_;
+      news_.store(false, std::memory_order_relaxed);
+    }
+    for (Item& item : intake) {
+      Lane* lane = &item.session->lane(item.req.lane);
+      LaneQueue& q = queues_[lane];
+      if (!q.lane) {
+        q.lane = lane;
+        q.session = item.session;
+      }
+      q.items.push_back(std::move(item));
+    }
+    for (Command& c : commands) {
+      Drop(c.session, c.reason);
+      if (c.then) c.then();
+    }
+    if (stopping) {
+      Drop(nullptr, Status::Unavailable("the daemon is shutting down"));
+      std::vector<Command> late;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        late.swap(commands_);
+        exited_ = true;
+      }
+      for (Command& c : late) {
+        if (c.then) c.then();
+      }
+      return;
+    }
+
+    if (RunReady()) {
+      waiting = false;
+      backoff = std::chrono::microseconds{0};
+      spin_until = Clock::now() + options_.spin;
+    } else if (!queues_.empty()) {
+      waiting = true;
+      if (Clock::now() < spin_until) {
+        CpuRelax();
+      } else {
+        backoff = std::min(options_.max_backoff,
+                           backoff.count() == 0 ? std::chrono::microseconds{10} : backoff * 2);
+      }
+    }
+  }
+}
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,94 @@
+#include "server/grpc/grpc_service.h"
+
+#include <spdlog/spdlog.h>
+
+#include "server/grpc/grpc_status.h"
+#include "server/grpc/proto_convert.h"
+
+namespace cache_dit_opd {
+namespace {
+
+grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* OperatorDaemonService::GetVersion(grpc::CallbackServerContext* ctx,
+                                                            const v1::VersionRequest*, v1::VersionReply* reply) {
+  ToProto(daemon_->Version(), reply);
+  return FinishNow(ctx, Status::Ok());
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::OpenSession(grpc::CallbackServerContext* ctx,
+                                                             const v1::OpenSessionRequest* request,
+                                                             v1::OpenSessionReply* reply) {
+  OpenSessionResult result;
+  Status s = daemon_->OpenSession(FromProto(*request), &result);
+  if (s.ok()) {
+    ToProto(result, reply);
+  } else {
+    spdlog::warn("OpenSession from pid {} refused: {}", request->client_pid(), s.ToString());
+  }
+  return FinishNow(ctx, s);
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                              const v1::CloseSessionRequest* request,
+                                                              v1::CloseSessionReply*) {
+  return FinishNow(ctx, daemon_->CloseSession(request->session_id(), request->token()));
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::RegisterRegion(grpc::CallbackServerContext* ctx,
+                                                                const v1::RegisterRegionRequest* request,
+                                                                v1::RegisterRegionReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  daemon_->RegisterRegion(request->session_id(), request->token(), request->ipc_handle(), request->size(),
+                          [reactor, reply](const Status& s, const RegionRegistry::Registered& r) {
+                            if (s.ok()) {
+                              reply->set_region_id(r.region_id);
+                              reply->set_mapped_size(r.mapped_size);
+                              reply->set_reused(r.reused);
+                            }
+                            reactor->Finish(ToGrpcStatus(s));
+                          });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                                                  const v1::UnregisterRegionRequest* request,
+                                                                  v1::UnregisterRegionReply* reply) {
+  bool deferred = false;
+  Status s = daemon_->UnregisterRegion(request->session_id(), request->token(), request->region_id(), &deferred);
+  if (s.ok()) reply->set_deferred(deferred);
+  return FinishNow(ctx, s);
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::Call(grpc::CallbackServerContext* ctx,
+                                                      const v1::CallRequest* request, v1::CallReply*) {
+  CallRequest req;
+  Status s = FromProto(*request, &req);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto finish = [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); };
+  if (!s.ok()) {
+    // A malformed call still completes its seq in order when it is the
+    // lane's next (same rule as a malformed ring record).
+    daemon_->CallRejected(request->session_id(), request->token(), request->lane(), request->seq(),
+                          std::move(s), std::move(finish));
+    return reactor;
+  }
+  daemon_->Call(request->session_id(), request->token(), std::move(req), std::move(finish));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::GetStats(grpc::CallbackServerContext* ctx,
+                                                          const v1::StatsRequest* request, v1::StatsReply* reply) {
+  StatsSnapshot snap;
+  Status s = daemon_->GetStats(request->session_id(), request->token(), &snap);
+  if (s.ok()) ToProto(snap, reply);
+  return FinishNow(ctx, s);
+}
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,133 @@
+// File: server/ring/ring_consumer.h
+//
+// The daemon's side of one session's shared-memory call ring
+// (proto/cache_dit_opd/v1/ring.h): one thread per ring session, started when
+// the session is bound and stopped when it ends (server/daemon.cc).
+//
+// Loop:
+//   1. load-acquire sq_tail; a tail behind the consumer's PRIVATE head, or
+//      more than `capacity` ahead of it, still so when read again ~50 us
+//      later (a tail stored byte by byte can be seen mid-store), is a
+//      protocol violation: the violation hook runs once (the daemon ends that
+//      session) and the thread stops. The shared sq_head and the RingControl
+//      fields are never read.
+//   2. for each ticket t in [head, tail): copy slot t % capacity (kSlotBytes,
+//      the mask is the daemon's own capacity) into private memory ONCE,
+//      store-release sq_head = t + 1, decode only the copy
+//      (common/ring_decode.h) and hand it to the sink exactly as the gRPC
+//      Call is handed over (Daemon::Call), or, when the record is malformed
+//      but its header names a lane and seq, to the sink's pre-rejected path
+//      (Executor::SubmitRejected: the seq still completes in order). A record
+//      whose header is unusable (bad magic, or a ticket that is not t) is
+//      answered INVALID_ARGUMENT without touching any lane.
+//   3. the completion for t (the executor's answer: accepted or the
+//      rejection) is written into completion slot t % capacity: ticket, seq,
+//      lane, status code, message (truncated to 223 bytes on a UTF-8
+//      boundary, NUL-terminated), then store-release done_ticket = t + 1.
+//      Completions may be written after the session ended (calls dropped by
+//      the executor): each holds the session, so its memory stays mapped.
+//
+// Waking: after the last record the thread spins on sq_tail for `spin`
+// (pause instruction), then stores doorbell = kDoorbellSleeping (seq_cst),
+// re-reads sq_tail (seq_cst), and FUTEX_WAITs on the doorbell word (a shared
+// futex: the word lives in a MAP_SHARED memfd mapping, so no
+// FUTEX_PRIVATE_FLAG) for at most `sleep_timeout`; on waking it stores
+// kDoorbellAwake. The timeout bounds a missed wake-up and lets a stop be
+// noticed even without RequestStop's wake; an idle ring costs ~10 wake-ups a
+// second and no measurable CPU.
+//
+// Back-pressure is the client's: it writes record t only after it consumed
+// completion t - capacity, so the consumer never waits on the client and
+// never overwrites an unconsumed completion of a well-behaved client. A
+// client that breaks this harms only its own completions.
+//
+// Thread-safety: Start/RequestStop/Stop from any thread except that Stop
+// must not run on the consumer thread (it joins it). The sink runs on the
+// consumer thread; completions run wherever the sink answers them.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "common/call.h"
+#include "server/dispatch/torch_call_runner.h"  // OpInfo
+#include "server/session/session.h"
+#include "common/status.h"
+
+namespace cache_dit_opd {
+
+struct RingConsumerOptions {
+  std::chrono::microseconds spin{200};              // --spin-us
+  std::chrono::milliseconds sleep_timeout{100};     // longest futex wait
+  // Tests only: runs on the consumer thread right after record `ticket` was
+  // copied out of its slot, before the copy is decoded.
+  std::function<void(uint64_t ticket)> after_copy;
+};
+
+class RingConsumer {
+ public:
+  using Completion = std::function<void(const Status&)>;
+  // Where decoded records go. Each function must answer its completion
+  // exactly once (at once or later, on any thread).
+  struct Sink {
+    // A decoded record (Daemon::Call: the gRPC Call's path).
+    std::function<void(CallRequest, Completion)> submit;
+    // A malformed record whose header names `lane` and `seq`; `reason` is
+    // the decode error (Daemon::CallRejected).
+    std::function<void(uint32_t lane, uint64_t seq, Status reason, Completion)> submit_rejected;
+    // A protocol violation (absurd sq_tail). Called once, on the consumer
+    // thread, which then stops taking records. Must not call Stop() inline.
+    std::function<void(const Status& why)> on_violation;
+  };
+
+  // `session` must have a ring; `catalog` must outlive the consumer.
+  RingConsumer(std::shared_ptr<Session> session, const std::vector<OpInfo>* catalog, Sink sink,
+               RingConsumerOptions options);
+  ~RingConsumer();  // Stop()
+  RingConsumer(const RingConsumer&) = delete;
+  RingConsumer& operator=(const RingConsumer&) = delete;
+
+  void Start();
+  // Asks the thread to stop and wakes it; returns at once. Records not yet
+  // copied stay unanswered (the session is ending); calls already handed to
+  // the sink complete through it (the executor's drop path).
+  void RequestStop();
+  // RequestStop, then joins the thread. Not on the consumer thread.
+  void Stop();
+
+  uint64_t session_id() const { return session_->id(); }
+  // Counters (any thread): records taken, of which malformed; futex sleeps.
+  uint64_t records() const { return records_.load(std::memory_order_relaxed); }
+  uint64_t malformed() const { return malformed_.load(std::memory_order_relaxed); }
+  uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
+
+ private:
+  void Loop();
+  // Copies are decoded and handed over here.
+  void Process(uint64_t ticket, const uint8_t* copy);
+  // The doorbell dance; returns when woken, timed out or asked to stop.
+  void Sleep(uint64_t head);
+  // sq_tail again after a short pause (a tail seen mid-store settles).
+  uint64_t SettledTail(std::atomic_ref<uint64_t>& tail_ref) const;
+
+  const std::shared_ptr<Session> session_;
+  const std::vector<OpInfo>* const catalog_;
+  const Sink sink_;
+  const RingConsumerOptions options_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> records_{0};
+  std::atomic<uint64_t> malformed_{0};
+  std::atomic<uint64_t> sleeps_{0};
+  std::thread thread_;
+};
+
+// Writes completion `ticket` into `memory`'s ring: every field, then
+// store-release done_ticket = ticket + 1. Exposed for tests.
+void WriteRingCompletion(SessionMemory& memory, uint64_t ticket, uint32_t lane, uint64_t seq, const Status& status);
+
+}  // namespace cache_dit_opd

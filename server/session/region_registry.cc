@@ -1,0 +1,222 @@
+#include "server/session/region_registry.h"
+
+#include <algorithm>
+
+namespace cache_dit_opd {
+
+RegionRegistry::RegionRegistry(RegionOpener* opener, int device, RegionLimits limits, uint32_t lanes,
+                               std::function<uint64_t(uint32_t)> completed)
+    : opener_(opener), device_(device), limits_(limits), lanes_(lanes), completed_(std::move(completed)) {}
+
+RegionRegistry::~RegionRegistry() {
+  std::vector<Region> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, r] : active_) all.push_back(std::move(r));
+    for (auto& r : pending_) all.push_back(std::move(r));
+    active_.clear();
+    pending_.clear();
+    id_by_handle_.clear();
+  }
+  CloseAll(all);
+}
+
+bool RegionRegistry::IdleLocked(const Region& r) const {
+  for (uint32_t l = 0; l < lanes_; ++l) {
+    if (r.last_use[l] > completed_(l)) return false;
+  }
+  return true;
+}
+
+void RegionRegistry::CloseAll(std::vector<Region>& regions) {
+  for (Region& r : regions) opener_->Close(r.base);
+  regions.clear();
+}
+
+Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, Registered* out) {
+  if (handle.size() != kIpcHandleBytes) {
+    return Status::InvalidArgument("ipc_handle is ", handle.size(), " bytes, expected ", kIpcHandleBytes);
+  }
+  ReleaseCompleted();  // finished pending releases free room first
+  std::string key(handle);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::FailedPrecondition("session is closed");
+    if (auto it = id_by_handle_.find(key); it != id_by_handle_.end()) {
+      Region& r = active_.at(it->second);
+      if (claimed_size > r.size) {
+        return Status::InvalidArgument("size ", claimed_size, " exceeds the allocation of ", r.size,
+                                       " bytes this handle maps");
+      }
+      r.lru_tick = ++tick_;
+      *out = Registered{r.id, r.size, true};
+      return Status::Ok();
+    }
+    // Waiting for release: CUDA maps a handle once per process, so revive it.
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+      if (it->handle != key) continue;
+      if (claimed_size > it->size) {
+        return Status::InvalidArgument("size ", claimed_size, " exceeds the allocation of ", it->size,
+                                       " bytes this handle maps");
+      }
+      Region r = std::move(*it);
+      pending_.erase(it);
+      r.lru_tick = ++tick_;
+      *out = Registered{r.id, r.size, true};
+      id_by_handle_[key] = r.id;
+      active_.emplace(r.id, std::move(r));
+      return Status::Ok();
+    }
+  }
+
+  void* base = nullptr;
+  uint64_t size = 0;
+  OPD_RETURN_IF_ERROR(opener_->Open(handle, &base, &size));
+  // From here on every error path must close what was opened.
+  bool keep = false;
+  struct CloseUnlessKept {
+    RegionOpener* opener;
+    void* base;
+    const bool* keep;
+    ~CloseUnlessKept() {
+      if (!*keep) opener->Close(base);
+    }
+  } guard{opener_, base, &keep};
+
+  if (claimed_size > size) {
+    return Status::InvalidArgument("size ", claimed_size, " exceeds the allocation of ", size,
+                                   " bytes the driver reports for this handle");
+  }
+  if (size > limits_.max_bytes) {
+    return Status::ResourceExhausted("region of ", size, " bytes exceeds --max-mapped-bytes ",
+                                     limits_.max_bytes);
+  }
+
+  std::vector<Region> evicted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::FailedPrecondition("session is closed");
+    if (auto it = id_by_handle_.find(key); it != id_by_handle_.end()) {
+      // Registered concurrently: our open was one more reference; drop it.
+      Region& r = active_.at(it->second);
+      r.lru_tick = ++tick_;
+      *out = Registered{r.id, r.size, true};
+      return Status::Ok();
+    }
+    auto count = [&] { return uint64_t{active_.size()} + pending_.size(); };
+    while (count() + 1 > limits_.max_regions || mapped_bytes_ + size > limits_.max_bytes) {
+      // LRU among idle regions; pending ones are not ours to evict.
+      auto victim = active_.end();
+      for (auto it = active_.begin(); it != active_.end(); ++it) {
+        if (!IdleLocked(it->second)) continue;
+        if (victim == active_.end() || it->second.lru_tick < victim->second.lru_tick) victim = it;
+      }
+      if (victim == active_.end()) {
+        if (count() + 1 > limits_.max_regions) {
+          return Status::ResourceExhausted("session has ", count(), " regions mapped (--max-regions ",
+                                           limits_.max_regions, ") and none is idle");
+        }
+        return Status::ResourceExhausted("session has ", mapped_bytes_, " bytes mapped; ", size,
+                                         " more would exceed --max-mapped-bytes ", limits_.max_bytes,
+                                         " and no region is idle");
+      }
+      mapped_bytes_ -= victim->second.size;
+      id_by_handle_.erase(victim->second.handle);
+      evicted.push_back(std::move(victim->second));
+      active_.erase(victim);
+    }
+    Region r;
+    r.id = next_id_++;
+    r.handle = key;
+    r.base = base;
+    r.size = size;
+    r.last_use.assign(lanes_, 0);
+    r.lru_tick = ++tick_;
+    mapped_bytes_ += size;
+    id_by_handle_[key] = r.id;
+    *out = Registered{r.id, size, false};
+    active_.emplace(r.id, std::move(r));
+    keep = true;
+  }
+  // Evicted regions were idle: nothing of ours still runs on them.
+  CloseAll(evicted);
+  return Status::Ok();
+}
+
+Status RegionRegistry::Unregister(uint64_t region_id, bool* deferred) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = active_.find(region_id);
+  if (it == active_.end()) return Status::NotFound("region ", region_id, " is not registered in this session");
+  *deferred = !IdleLocked(it->second);
+  id_by_handle_.erase(it->second.handle);
+  pending_.push_back(std::move(it->second));
+  active_.erase(it);
+  return Status::Ok();
+}
+
+Status RegionRegistry::Resolve(uint64_t region_id, MappedRegion* out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = active_.find(region_id);
+  if (it == active_.end()) return Status::NotFound("region ", region_id, " is not registered in this session");
+  *out = MappedRegion{it->second.base, it->second.size, device_};
+  return Status::Ok();
+}
+
+Status RegionRegistry::ResolveForCall(uint64_t region_id, uint32_t lane, uint64_t seq, MappedRegion* out) {
+  if (lane >= lanes_) return Status::InvalidArgument("lane ", lane, " out of range [0, ", lanes_, ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = active_.find(region_id);
+  if (it == active_.end()) return Status::NotFound("region ", region_id, " is not registered in this session");
+  Region& r = it->second;
+  r.last_use[lane] = std::max(r.last_use[lane], seq);
+  r.lru_tick = ++tick_;
+  *out = MappedRegion{r.base, r.size, device_};
+  return Status::Ok();
+}
+
+size_t RegionRegistry::ReleaseCompleted() {
+  std::vector<Region> done;
+  size_t remaining = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto keep_end = std::partition(pending_.begin(), pending_.end(),
+                                   [&](const Region& r) { return !IdleLocked(r); });
+    for (auto it = keep_end; it != pending_.end(); ++it) {
+      mapped_bytes_ -= it->size;
+      done.push_back(std::move(*it));
+    }
+    pending_.erase(keep_end, pending_.end());
+    remaining = pending_.size();
+  }
+  CloseAll(done);
+  return remaining;
+}
+
+void RegionRegistry::CloseRegistry() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  for (auto& [id, r] : active_) pending_.push_back(std::move(r));
+  active_.clear();
+  id_by_handle_.clear();
+}
+
+void RegionRegistry::Abandon() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  active_.clear();
+  pending_.clear();
+  id_by_handle_.clear();
+  mapped_bytes_ = 0;
+}
+
+RegionCounts RegionRegistry::counts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return RegionCounts{active_.size(), mapped_bytes_, pending_.size()};
+}
+
+bool RegionRegistry::has_pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !pending_.empty();
+}
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,155 @@
+// File: server/session/region_registry.h
+//
+// One session's mapped regions (client allocations opened from their CUDA IPC
+// handles). Modeled on Triton's shared_memory_manager (bounds, pinning,
+// deferred unregister) with the daemon's GPU-ordered lifetime rule
+// (DESIGN.md section 5): a region is released (unregister, LRU eviction,
+// session end) only once every lane's "done" has passed the last call that
+// used it.
+//
+// Keys: handle bytes. Registering a handle already mapped in the session
+// returns the same id (reused = true); one that is waiting for release is
+// revived. Bounds per session: region count and mapped bytes; when a new
+// region does not fit, idle regions are evicted least recently used first,
+// and RESOURCE_EXHAUSTED names the limit when nothing can be evicted.
+//
+// In-use tracking: every call resolves its regions through
+// ResolveForCall(id, lane, seq), which records "lane `lane` uses the region
+// up to seq `seq`" under the same lock as the lookup, so a region cannot be
+// released between a call's lookup and its launch. A region is idle when for
+// every lane, completed(lane) >= its last use there, where `completed` is the
+// daemon's own record of what its lane stream finished (not the shared
+// memory, which the client can write).
+//
+// Threads: all methods are thread-safe. Register and ReleaseCompleted call
+// RegionOpener::Open/Close, which may synchronize the device: the daemon runs
+// them on its reaper thread only.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "server/dispatch/torch_call_runner.h"
+#include "server/device/region_opener.h"
+#include "common/status.h"
+
+namespace cache_dit_opd {
+
+struct RegionLimits {
+  uint64_t max_regions = 4096;       // --max-regions
+  uint64_t max_bytes = 1ull << 40;   // --max-mapped-bytes
+};
+
+struct RegionCounts {
+  uint64_t regions = 0;         // registered (resolvable) regions
+  uint64_t mapped_bytes = 0;    // bytes still mapped, pending releases included
+  uint64_t pending_unmaps = 0;  // regions waiting for their last call to finish
+};
+
+class RegionRegistry final : public RegionResolver {
+ public:
+  // `completed(lane)` returns the highest seq the daemon's stream for `lane`
+  // has finished; it must be callable from any thread.
+  RegionRegistry(RegionOpener* opener, int device, RegionLimits limits, uint32_t lanes,
+                 std::function<uint64_t(uint32_t lane)> completed);
+  // Closes whatever is still mapped (callers first make sure the lanes are
+  // drained; see ReleaseAll).
+  ~RegionRegistry() override;
+
+  struct Registered {
+    uint64_t region_id = 0;
+    uint64_t mapped_size = 0;
+    bool reused = false;
+  };
+
+  // RegionRegistry::Register
+  //
+  // INVALID_ARGUMENT: handle not kIpcHandleBytes bytes, claimed size larger
+  // than the allocation (the handle is closed again), or the opener's
+  // refusal. RESOURCE_EXHAUSTED: the region alone exceeds max_bytes, or the
+  // limits are reached and no region is idle.
+  Status Register(std::string_view handle, uint64_t claimed_size, Registered* out);
+
+  // RegionRegistry::Unregister
+  //
+  // Removes the id at once (later lookups: NOT_FOUND) and schedules the
+  // release; `*deferred` is true when calls still in flight delay it.
+  // NOT_FOUND for an unknown id. The release itself happens in
+  // ReleaseCompleted.
+  Status Unregister(uint64_t region_id, bool* deferred);
+
+  // RegionResolver: lookup without marking use (tests, introspection).
+  Status Resolve(uint64_t region_id, MappedRegion* out) const override;
+
+  // Lookup for call `seq` on `lane`: records the use, refreshes LRU order.
+  // NOT_FOUND naming the id; INVALID_ARGUMENT for a lane out of range.
+  Status ResolveForCall(uint64_t region_id, uint32_t lane, uint64_t seq, MappedRegion* out);
+
+  // Closes every pending region whose lanes have passed its last use.
+  // Returns how many remain pending.
+  size_t ReleaseCompleted();
+
+  // Session end: schedules every region for release (ids stop resolving)
+  // and refuses later registrations (FAILED_PRECONDITION).
+  void CloseRegistry();
+
+  // Forgets every mapping without closing it (the process is about to exit
+  // with work still on the GPU; the driver unmaps at exit).
+  void Abandon();
+
+  RegionCounts counts() const;
+  bool has_pending() const;
+
+ private:
+  struct Region {
+    uint64_t id = 0;
+    std::string handle;
+    void* base = nullptr;
+    uint64_t size = 0;
+    std::vector<uint64_t> last_use;  // per lane: last seq that used it
+    uint64_t lru_tick = 0;
+  };
+
+  bool IdleLocked(const Region& r) const;
+  // Closes regions outside the lock.
+  void CloseAll(std::vector<Region>& regions);
+
+  RegionOpener* const opener_;
+  const int device_;
+  const RegionLimits limits_;
+  const uint32_t lanes_;
+  const std::function<uint64_t(uint32_t)> completed_;
+
+  mutable std::mutex mu_;
+  std::map<uint64_t, Region> active_;                      // guarded by mu_
+  std::unordered_map<std::string, uint64_t> id_by_handle_;  // active only; guarded by mu_
+  std::vector<Region> pending_;                             // guarded by mu_
+  uint64_t next_id_ = 1;                                    // guarded by mu_
+  uint64_t tick_ = 0;                                       // guarded by mu_
+  uint64_t mapped_bytes_ = 0;                               // active + pending; guarded by mu_
+  bool closed_ = false;                                     // guarded by mu_
+};
+
+// A RegionResolver bound to one call: resolves through
+// RegionRegistry::ResolveForCall so the dispatch layer's lookups mark use.
+class CallRegionResolver final : public RegionResolver {
+ public:
+  CallRegionResolver(RegionRegistry* registry, uint32_t lane, uint64_t seq)
+      : registry_(registry), lane_(lane), seq_(seq) {}
+  Status Resolve(uint64_t region_id, MappedRegion* out) const override {
+    return registry_->ResolveForCall(region_id, lane_, seq_, out);
+  }
+
+ private:
+  RegionRegistry* registry_;
+  uint32_t lane_;
+  uint64_t seq_;
+};
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,277 @@
+#include "server/session/session_channel.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "cache_dit_opd/v1/session_memory.h"
+
+namespace cache_dit_opd {
+namespace {
+
+// Cap on connections that have not bound yet: a local process that opens
+// connections and sends nothing must not exhaust the daemon's descriptors.
+constexpr size_t kMaxUnbound = 256;
+constexpr int kListenBacklog = 64;
+
+}  // namespace
+
+Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_bytes, int fd) {
+  v1::BindReply reply{};
+  reply.status_code = static_cast<int32_t>(status.code());
+  reply.layout_version = v1::kLayoutVersion;
+  reply.shared_memory_bytes = status.ok() ? shared_memory_bytes : 0;
+  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
+
+  iovec iov{&reply, sizeof(reply)};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  if (fd >= 0) {
+    std::memset(control, 0, sizeof(control));
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  ssize_t n = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n != static_cast<ssize_t>(sizeof(reply))) {
+    return Status::Internal("sendmsg(BindReply): ", n < 0 ? std::strerror(errno) : "short write");
+  }
+  return Status::Ok();
+}
+
+SessionChannel::SessionChannel(std::string path, SessionManager* manager, std::chrono::milliseconds tick)
+    : path_(std::move(path)), manager_(manager), tick_(tick) {}
+
+SessionChannel::~SessionChannel() { Stop(); }
+
+Status SessionChannel::Listen() {
+  listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0) return Status::Internal("socket(AF_UNIX, SOCK_SEQPACKET): ", std::strerror(errno));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path_.size() >= sizeof(addr.sun_path)) {
+    return Status::InvalidArgument("session socket path ", path_, " is too long");
+  }
+  std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
+  // The socket file's mode comes from the umask at bind(); make it 0660 from
+  // the first moment rather than fixing it afterwards.
+  mode_t old = umask(0117);
+  int rc = bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  int err = errno;
+  umask(old);
+  if (rc != 0) return Status::Internal("bind(", path_, "): ", std::strerror(err));
+  created_ = true;
+  chmod(path_.c_str(), 0660);
+  if (listen(listen_fd_, kListenBacklog) != 0) {
+    return Status::Internal("listen(", path_, "): ", std::strerror(errno));
+  }
+  return Status::Ok();
+}
+
+Status SessionChannel::Start() {
+  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (epoll_fd_ < 0) return Status::Internal("epoll_create1: ", std::strerror(errno));
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) return Status::Internal("eventfd: ", std::strerror(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = wake_fd_;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  if (listen_fd_ >= 0) {
+    ev.data.fd = listen_fd_;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+  }
+  thread_ = std::thread([this] { Loop(); });
+  return Status::Ok();
+}
+
+void SessionChannel::Wake() {
+  if (wake_fd_ < 0) return;
+  uint64_t one = 1;
+  ssize_t n = write(wake_fd_, &one, sizeof(one));
+  (void)n;
+}
+
+void SessionChannel::StopAccepting() {
+  stop_accepting_.store(true);
+  Wake();
+}
+
+void SessionChannel::CloseSession(uint64_t session_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    close_requests_.push_back(session_id);
+  }
+  Wake();
+}
+
+void SessionChannel::Stop() {
+  stop_.store(true);
+  Wake();
+  if (thread_.joinable()) thread_.join();
+  for (Conn& c : conns_) close(c.fd);
+  conns_.clear();
+  if (listen_fd_ >= 0) close(listen_fd_);
+  listen_fd_ = -1;
+  if (created_) unlink(path_.c_str());
+  created_ = false;
+  if (wake_fd_ >= 0) close(wake_fd_);
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  wake_fd_ = epoll_fd_ = -1;
+}
+
+void SessionChannel::CloseConn(int fd) {
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+  close(fd);
+  conns_.erase(std::remove_if(conns_.begin(), conns_.end(), [fd](const Conn& c) { return c.fd == fd; }),
+               conns_.end());
+}
+
+void SessionChannel::Accept() {
+  while (true) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EINTR) spdlog::warn("session channel: accept: {}", std::strerror(errno));
+      return;
+    }
+    size_t unbound = std::count_if(conns_.begin(), conns_.end(), [](const Conn& c) { return c.session_id == 0; });
+    if (unbound >= kMaxUnbound) {
+      (void)SendBindReply(fd, Status::ResourceExhausted(unbound, " session-channel connections await binding"), 0, -1);
+      close(fd);
+      continue;
+    }
+    Conn c;
+    c.fd = fd;
+    c.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(manager_->bind_timeout_ms());
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.fd = fd;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+    conns_.push_back(c);
+  }
+}
+
+void SessionChannel::HandleBind(Conn& conn) {
+  // One message; MSG_TRUNC reports its real length so oversize is caught.
+  char buf[sizeof(v1::BindRequest) + 1];
+  ssize_t n = recv(conn.fd, buf, sizeof(buf), MSG_DONTWAIT | MSG_TRUNC);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  int fd = conn.fd;
+  if (n <= 0) {
+    CloseConn(fd);  // closed before binding
+    return;
+  }
+  PeerCred peer;
+  Status s = ReadPeerCred(fd, &peer);
+  std::shared_ptr<Session> session;
+  if (s.ok()) {
+    size_t len = std::min<size_t>(static_cast<size_t>(n), sizeof(buf));
+    s = static_cast<size_t>(n) > sizeof(v1::BindRequest)
+            ? Status::InvalidArgument("bind request is ", n, " bytes, expected ", sizeof(v1::BindRequest))
+            : manager_->Bind(std::string_view(buf, len), peer, &session);
+  }
+  if (!s.ok()) {
+    spdlog::warn("session channel: bind refused for pid {} uid {}: {}", peer.pid, peer.uid, s.ToString());
+    (void)SendBindReply(fd, s, 0, -1);  // best effort: the peer may be gone
+    CloseConn(fd);
+    return;
+  }
+  Status sent = SendBindReply(fd, Status::Ok(), session->memory().bytes(), session->memory().fd());
+  if (!sent.ok()) {
+    CloseConn(fd);
+    manager_->End(session->id(), Status::Unavailable("session ", session->id(), ": ", sent.message()));
+    return;
+  }
+  conn.session_id = session->id();
+}
+
+void SessionChannel::OnReadable(Conn& conn) {
+  if (conn.session_id == 0) {
+    HandleBind(conn);
+    return;
+  }
+  // Bound: the protocol has no further client messages; read to detect EOF.
+  char buf[256];
+  ssize_t n = recv(conn.fd, buf, sizeof(buf), MSG_DONTWAIT);
+  if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) return;
+  uint64_t id = conn.session_id;
+  CloseConn(conn.fd);
+  manager_->End(id, Status::Cancelled("session ", id, ": session channel closed by the client"));
+}
+
+void SessionChannel::Loop() {
+  auto next_tick = std::chrono::steady_clock::now() + tick_;
+  epoll_event events[32];
+  while (!stop_.load()) {
+    auto now = std::chrono::steady_clock::now();
+    int timeout_ms = static_cast<int>(
+        std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(next_tick - now).count()));
+    int n = epoll_wait(epoll_fd_, events, 32, timeout_ms);
+    if (n < 0 && errno != EINTR) {
+      spdlog::error("session channel: epoll_wait: {}", std::strerror(errno));
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      int fd = events[i].data.fd;
+      if (fd == wake_fd_) {
+        uint64_t v;
+        ssize_t r = read(wake_fd_, &v, sizeof(v));
+        (void)r;
+        continue;
+      }
+      if (fd == listen_fd_) {
+        Accept();
+        continue;
+      }
+      auto it = std::find_if(conns_.begin(), conns_.end(), [fd](const Conn& c) { return c.fd == fd; });
+      if (it == conns_.end()) continue;
+      if ((events[i].events & (EPOLLIN | EPOLLHUP | EPOLLRDHUP | EPOLLERR)) != 0) OnReadable(*it);
+    }
+
+    std::vector<uint64_t> closing;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing.swap(close_requests_);
+    }
+    for (uint64_t id : closing) {
+      auto it = std::find_if(conns_.begin(), conns_.end(), [id](const Conn& c) { return c.session_id == id; });
+      if (it != conns_.end()) CloseConn(it->fd);
+    }
+    if (stop_accepting_.load() && listen_fd_ >= 0) {
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+      close(listen_fd_);
+      listen_fd_ = -1;
+    }
+
+    now = std::chrono::steady_clock::now();
+    if (now >= next_tick) {
+      next_tick = now + tick_;
+      for (size_t i = 0; i < conns_.size();) {
+        if (conns_[i].session_id == 0 && now >= conns_[i].deadline) {
+          (void)SendBindReply(conns_[i].fd, Status::DeadlineExceeded("no bind request within ", manager_->bind_timeout_ms(), " ms"), 0, -1);
+          CloseConn(conns_[i].fd);
+        } else {
+          ++i;
+        }
+      }
+      manager_->Tick(now);
+    }
+  }
+}
+
+}  // namespace cache_dit_opd

@@ -1,0 +1,257 @@
+#include "server/session/session_manager.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+namespace cache_dit_opd {
+namespace {
+
+Status RandomToken(SessionToken* token) {
+  size_t got = 0;
+  while (got < token->size()) {
+    ssize_t n = getrandom(token->data() + got, token->size() - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::Internal("getrandom: ", std::strerror(errno));
+    }
+    got += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status CheckTokenSize(std::string_view token) {
+  if (token.size() != v1::kTokenBytes) {
+    return Status::InvalidArgument("token is ", token.size(), " bytes, expected ", v1::kTokenBytes);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+bool TokenEquals(const SessionToken& a, std::string_view b) {
+  if (b.size() != a.size()) return false;
+  uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ static_cast<uint8_t>(b[i]);
+  return diff == 0;
+}
+
+SessionManager::SessionManager(SessionLimits limits, int device, std::string gpu_uuid, DeviceOps* device_ops,
+                               RegionOpener* opener, PeerPolicy policy, EndHook on_end, BindHook on_bound)
+    : limits_(limits),
+      device_(device),
+      gpu_uuid_(std::move(gpu_uuid)),
+      device_ops_(device_ops),
+      opener_(opener),
+      policy_(policy),
+      on_end_(std::move(on_end)),
+      on_bound_(std::move(on_bound)) {}
+
+Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>* out) {
+  if (p.protocol_version != v1::kProtocolVersion) {
+    return Status::FailedPrecondition("client speaks protocol version ", p.protocol_version,
+                                      "; this daemon speaks ", v1::kProtocolVersion);
+  }
+  if (!p.gpu_uuid.empty() && p.gpu_uuid != gpu_uuid_) {
+    return Status::FailedPrecondition("client expects GPU ", p.gpu_uuid, "; this daemon serves ",
+                                      gpu_uuid_.empty() ? "no GPU" : gpu_uuid_);
+  }
+  if (device_ops_ == nullptr || opener_ == nullptr) {
+    return Status::Unavailable("the daemon has no usable GPU");
+  }
+  if (p.client_pid <= 0) return Status::InvalidArgument("client_pid ", p.client_pid, " is not a pid");
+  if (p.client_name.size() > kMaxClientNameBytes) {
+    return Status::InvalidArgument("client_name is ", p.client_name.size(), " bytes, at most ",
+                                   kMaxClientNameBytes);
+  }
+  SessionConfig config;
+  config.client_pid = p.client_pid;
+  config.client_name = p.client_name;
+  config.lanes = std::min(std::max<uint32_t>(p.lanes, 1), limits_.max_lanes);
+  config.device = device_;
+  config.region_limits = limits_.regions;
+  config.ring_capacity = p.want_ring ? limits_.ring_capacity : 0;
+  OPD_RETURN_IF_ERROR(RandomToken(&config.token));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!accepting_) return Status::Unavailable(not_accepting_reason_);
+    if (sessions_.size() >= limits_.max_sessions) {
+      return Status::ResourceExhausted(sessions_.size(), " sessions are open (--max-sessions ",
+                                       limits_.max_sessions, ")");
+    }
+    config.id = next_id_++;
+  }
+  std::shared_ptr<Session> s;
+  Status st = Session::Create(config, device_ops_, opener_, &s);
+  if (!st.ok()) {
+    spdlog::error("session {}: creation failed: {}", config.id, st.ToString());
+    return st;
+  }
+  s->set_bind_deadline(Clock::now() + std::chrono::milliseconds(limits_.bind_timeout_ms));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!accepting_) return Status::Unavailable(not_accepting_reason_);
+    if (sessions_.size() >= limits_.max_sessions) {
+      return Status::ResourceExhausted(sessions_.size(), " sessions are open (--max-sessions ",
+                                       limits_.max_sessions, ")");
+    }
+    sessions_[config.id] = s;
+  }
+  spdlog::info("session {}: opened for pid {} ({}), {} lane(s), {} bytes of shared memory{}; bind within {} ms",
+               config.id, config.client_pid, config.client_name.empty() ? "unnamed" : config.client_name,
+               config.lanes, s->memory().bytes(),
+               config.ring_capacity ? fmt::format(", call ring of {} slots", config.ring_capacity) : "",
+               limits_.bind_timeout_ms);
+  *out = std::move(s);
+  return Status::Ok();
+}
+
+Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::shared_ptr<Session>* out) {
+  if (bytes.size() != sizeof(v1::BindRequest)) {
+    return Status::InvalidArgument("bind request is ", bytes.size(), " bytes, expected ",
+                                   sizeof(v1::BindRequest));
+  }
+  v1::BindRequest req;
+  std::memcpy(&req, bytes.data(), sizeof(req));
+  if (req.magic != v1::kBindRequestMagic) {
+    return Status::InvalidArgument("bind request magic 0x", std::hex, req.magic, " is not 0x",
+                                   v1::kBindRequestMagic);
+  }
+  if (req.protocol_version != v1::kProtocolVersion) {
+    return Status::FailedPrecondition("bind request speaks protocol version ", req.protocol_version,
+                                      "; this daemon speaks ", v1::kProtocolVersion);
+  }
+  OPD_RETURN_IF_ERROR(policy_.Admit(peer));
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(req.session_id);
+    if (it == sessions_.end()) return Status::NotFound("session ", req.session_id, " not found");
+    s = it->second;
+    if (!TokenEquals(s->token(), std::string_view(reinterpret_cast<const char*>(req.token), sizeof(req.token)))) {
+      return Status::PermissionDenied("wrong token for session ", req.session_id);
+    }
+    if (peer.pid != s->client_pid()) {
+      return Status::PermissionDenied("peer pid ", peer.pid, " does not match OpenSession's client_pid ",
+                                      s->client_pid(), " for session ", req.session_id);
+    }
+    if (s->state() != SessionState::kUnbound) {
+      return Status::FailedPrecondition("session ", req.session_id, " is already bound");
+    }
+    s->set_peer(peer);
+    s->set_state(SessionState::kBound);
+  }
+  spdlog::info("session {}: bound to pid {} uid {} gid {}", s->id(), peer.pid, peer.uid, peer.gid);
+  if (on_bound_) on_bound_(s);
+  *out = std::move(s);
+  return Status::Ok();
+}
+
+Status SessionManager::Authorize(uint64_t session_id, std::string_view token, bool require_bound,
+                                 std::shared_ptr<Session>* out) const {
+  OPD_RETURN_IF_ERROR(CheckTokenSize(token));
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return Status::NotFound("session ", session_id, " not found");
+    s = it->second;
+  }
+  if (!TokenEquals(s->token(), token)) return Status::PermissionDenied("wrong token for session ", session_id);
+  if (require_bound && !s->bound()) {
+    return Status::FailedPrecondition("session ", session_id,
+                                      " is not bound yet: present its token on the session channel first");
+  }
+  *out = std::move(s);
+  return Status::Ok();
+}
+
+Status SessionManager::Close(uint64_t session_id, std::string_view token) {
+  OPD_RETURN_IF_ERROR(CheckTokenSize(token));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) {
+      if (session_id != 0 && session_id < next_id_) return Status::Ok();  // already ended
+      return Status::NotFound("session ", session_id, " not found");
+    }
+    if (!TokenEquals(it->second->token(), token)) {
+      return Status::PermissionDenied("wrong token for session ", session_id);
+    }
+  }
+  End(session_id, Status::Cancelled("session ", session_id, " closed by its client"));
+  return Status::Ok();
+}
+
+void SessionManager::End(uint64_t session_id, const Status& reason) {
+  std::shared_ptr<Session> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    s = std::move(it->second);
+    sessions_.erase(it);
+    s->set_state(SessionState::kClosed);
+  }
+  spdlog::info("session {}: ending (pid {}, uid {}): {}", s->id(), s->peer().pid ? s->peer().pid : s->client_pid(),
+               s->peer().uid, reason.message());
+  if (on_end_) on_end_(s, reason);
+}
+
+void SessionManager::EndAll(const Status& reason) {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : sessions_) ids.push_back(id);
+  }
+  for (uint64_t id : ids) End(id, reason);
+}
+
+void SessionManager::Tick(Clock::time_point now) {
+  std::vector<std::shared_ptr<Session>> expired;
+  {
+    // Expiry is decided and applied under one lock, so a Bind that wins the
+    // race keeps its session.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      std::shared_ptr<Session>& s = it->second;
+      if (s->state() == SessionState::kUnbound && now >= s->bind_deadline()) {
+        s->set_state(SessionState::kClosed);
+        expired.push_back(std::move(s));
+        it = sessions_.erase(it);
+      } else {
+        s->memory().Heartbeat();
+        ++it;
+      }
+    }
+  }
+  for (auto& s : expired) {
+    Status reason = Status::DeadlineExceeded("session ", s->id(), " was not bound on the session channel within ",
+                                             limits_.bind_timeout_ms, " ms");
+    spdlog::warn("session {}: dropped (pid {}): {}", s->id(), s->client_pid(), reason.message());
+    if (on_end_) on_end_(s, reason);
+  }
+}
+
+void SessionManager::StopAccepting(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  accepting_ = false;
+  not_accepting_reason_ = reason;
+}
+
+std::vector<std::shared_ptr<Session>> SessionManager::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (auto& [id, s] : sessions_) out.push_back(s);
+  return out;
+}
+
+size_t SessionManager::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.size();
+}
+
+}  // namespace cache_dit_opd

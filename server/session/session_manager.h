@@ -1,0 +1,129 @@
+// File: server/session/session_manager.h
+//
+// The table of live sessions and every rule about who may use one:
+//   Open      protocol version, expected GPU, limits; creates the session
+//             (shared memory, lanes) and its random token.
+//   Bind      the session channel's BindRequest plus SO_PEERCRED: admitted
+//             uid/gid (PeerPolicy), pid == OpenSession's client_pid, right
+//             token, not bound yet. Only then is the session usable; the
+//             bind hook then runs (the daemon starts the session's ring
+//             consumer there).
+//   Authorize every session-scoped RPC: token size, id, token, bound.
+//   End       removes the session at once (later RPCs: NOT_FOUND) and hands
+//             it to the end hook (the daemon drops its queued calls, waits
+//             for its lanes to drain on the reaper, then unmaps).
+//   Tick      drops sessions not bound within --bind-timeout-ms and beats
+//             every session's heartbeat (the channel thread calls it ~10/s).
+//
+// Error codes: INVALID_ARGUMENT (token not 32 bytes, client_pid <= 0, name
+// too long), NOT_FOUND (unknown session), PERMISSION_DENIED (wrong token,
+// peer not admitted, pid mismatch), FAILED_PRECONDITION (protocol or GPU
+// mismatch, not bound yet, bound twice), RESOURCE_EXHAUSTED (--max-sessions),
+// UNAVAILABLE (draining). Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cache_dit_opd/v1/session_memory.h"
+#include "server/device/device_ops.h"
+#include "server/session/peer_policy.h"
+#include "server/device/region_opener.h"
+#include "server/session/region_registry.h"
+#include "server/session/session.h"
+#include "common/status.h"
+
+namespace cache_dit_opd {
+
+struct SessionLimits {
+  uint32_t max_sessions = 64;
+  uint32_t max_lanes = 16;
+  RegionLimits regions;
+  uint32_t bind_timeout_ms = 5000;
+  // Call ring slots given to a session that asks for the ring (a power of
+  // two); 0: the ring is not offered (--no-ring).
+  uint32_t ring_capacity = 0;
+};
+
+struct OpenSessionParams {
+  uint32_t protocol_version = 0;
+  int32_t client_pid = 0;
+  std::string gpu_uuid;  // "" accepts any
+  uint32_t lanes = 0;    // 0 means 1; more than --max-lanes is cut down
+  std::string client_name;
+  bool want_ring = false;  // granted when SessionLimits::ring_capacity > 0
+};
+
+inline constexpr size_t kMaxClientNameBytes = 128;
+
+class SessionManager {
+ public:
+  // Called once per ended session, outside the manager's lock, with the
+  // reason (the first one, if several raced).
+  using EndHook = std::function<void(const std::shared_ptr<Session>&, const Status& reason)>;
+  // Called once per bound session, outside the manager's lock, on the
+  // binding thread. The session may already have ended again by then (a
+  // racing CloseSession): check its state under the hook's own lock.
+  using BindHook = std::function<void(const std::shared_ptr<Session>&)>;
+  using Clock = std::chrono::steady_clock;
+
+  SessionManager(SessionLimits limits, int device, std::string gpu_uuid, DeviceOps* device_ops,
+                 RegionOpener* opener, PeerPolicy policy, EndHook on_end, BindHook on_bound = nullptr);
+
+  Status Open(const OpenSessionParams& params, std::shared_ptr<Session>* out);
+
+  // SessionManager::Bind
+  //
+  // `bytes` is the channel message as received (checked: exactly
+  // sizeof(BindRequest), magic, protocol version).
+  Status Bind(std::string_view bytes, const PeerCred& peer, std::shared_ptr<Session>* out);
+
+  // Session-scoped RPC check; `require_bound` false only for CloseSession.
+  Status Authorize(uint64_t session_id, std::string_view token, bool require_bound,
+                   std::shared_ptr<Session>* out) const;
+
+  // CloseSession: idempotent (a session this daemon issued that has already
+  // ended closes OK); NOT_FOUND for ids never issued.
+  Status Close(uint64_t session_id, std::string_view token);
+
+  void End(uint64_t session_id, const Status& reason);
+  void EndAll(const Status& reason);
+  void Tick(Clock::time_point now);
+
+  // OpenSession fails UNAVAILABLE with `reason` while not accepting.
+  void StopAccepting(const std::string& reason);
+
+  std::vector<std::shared_ptr<Session>> Snapshot() const;
+  size_t size() const;
+  // The policy in force (the channel logs it).
+  const PeerPolicy& policy() const { return policy_; }
+  uint32_t bind_timeout_ms() const { return limits_.bind_timeout_ms; }
+
+ private:
+  const SessionLimits limits_;
+  const int device_;
+  const std::string gpu_uuid_;
+  DeviceOps* const device_ops_;
+  RegionOpener* const opener_;
+  const PeerPolicy policy_;
+  const EndHook on_end_;
+  const BindHook on_bound_;
+
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // guarded by mu_
+  uint64_t next_id_ = 1;                                    // guarded by mu_
+  bool accepting_ = true;                                   // guarded by mu_
+  std::string not_accepting_reason_;                        // guarded by mu_
+};
+
+// Compares tokens in constant time.
+bool TokenEquals(const SessionToken& a, std::string_view b);
+
+}  // namespace cache_dit_opd
