@@ -11,13 +11,14 @@
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
 #include "client/core/cuda_backend.h"
-#include "common/cuda/device_guard.h"
-#include "client/discovery.h"
 #include "client/core/monitor.h"
-#include "client/opd_client.h"
 #include "client/core/ring_producer.h"
+#include "client/core/session_channel.h"
+#include "client/discovery.h"
+#include "client/opd_client.h"
+#include "common/cuda/device_guard.h"
+#include "common/cuda/driver_api.h"
 #include "common/ring_encode.h"
-#include "client/session_channel.h"
 
 namespace cache_dit_opd::client {
 
@@ -155,7 +156,7 @@ class Session final : public RegionRegistrar {
  private:
   Session(const ClientOptions& o, std::shared_ptr<grpc::Channel> channel)
       : options_(o), channel_(std::move(channel)), stub_(pb::OperatorDaemon::NewStub(channel_)) {}
-  Status Init(const pb::OpenSessionReply& reply, const DriverApi* api, Clock::time_point deadline);
+  Status Init(const pb::OpenSessionReply& reply, const cuda::DriverApi* api, Clock::time_point deadline);
   void Shutdown(int timeout_ms);
 
   const ClientOptions options_;
@@ -178,9 +179,9 @@ class Session final : public RegionRegistrar {
 Status Session::Open(const ClientOptions& o, const std::string& gpu_uuid, const DaemonAddress& addr,
                      const std::shared_ptr<grpc::Channel>& channel, std::shared_ptr<Session>* out) {
   Status s;
-  const DriverApi* api = GetDriverApi(&s);
+  const cuda::DriverApi* api = cuda::GetDriverApi(&s);
   if (api == nullptr) return s;
-  DeviceGuard guard(o.device);
+  cuda::DeviceGuard guard(o.device);
   OPD_RETURN_IF_ERROR(guard.status());
 
   const Clock::time_point deadline = DeadlineIn(o.connect_timeout_ms);
@@ -212,7 +213,7 @@ Status Session::Open(const ClientOptions& o, const std::string& gpu_uuid, const 
   return Status::Ok();
 }
 
-Status Session::Init(const pb::OpenSessionReply& reply, const DriverApi* api, Clock::time_point deadline) {
+Status Session::Init(const pb::OpenSessionReply& reply, const cuda::DriverApi* api, Clock::time_point deadline) {
   const uint32_t wanted = options_.lanes == 0 ? 1 : options_.lanes;
   if (reply.session_id() == 0) return Status::Internal("OpenSession returned session id 0");
   if (token_.size() != pb::kTokenBytes) {
@@ -280,13 +281,13 @@ Status Session::Init(const pb::OpenSessionReply& reply, const DriverApi* api, Cl
                                       CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE);
   if (r != CUDA_SUCCESS) {
     return Status::Internal("cuMemHostRegister(session memory, ", core->memory->bytes(), " bytes): ",
-                            DriverErrorString(r));
+                            cuda::DriverErrorString(r));
   }
   core->host_registered = true;
   CUdeviceptr dev = 0;
   r = api->mem_host_get_device_pointer(&dev, core->memory->base(), 0);
   if (r != CUDA_SUCCESS) {
-    return Status::Internal("cuMemHostGetDevicePointer(session memory): ", DriverErrorString(r));
+    return Status::Internal("cuMemHostGetDevicePointer(session memory): ", cuda::DriverErrorString(r));
   }
   core->ops = std::make_unique<CudaLaneOps>(api, options_.device, core->memory.get(), dev);
   core->lanes = std::make_unique<LaneTable>(core->memory.get(), core->ops.get());
@@ -458,7 +459,7 @@ Status Session::Prepare(std::string_view op, std::string_view overload, const st
 }
 
 Status Session::Issue(pb::CallRequest& req, cudaStream_t stream, const CallOptions& o) {
-  DeviceGuard guard(options_.device);
+  cuda::DeviceGuard guard(options_.device);
   OPD_RETURN_IF_ERROR(guard.status());
   const int timeout_ms = o.timeout_ms < 0 ? options_.call_timeout_ms : o.timeout_ms;
   IssueOptions io;
@@ -620,7 +621,7 @@ Status Client::Call(std::string_view op, std::string_view overload, const std::v
   OPD_RETURN_IF_ERROR(CurrentSession(&s));
   pb::CallRequest req;
   {
-    DeviceGuard guard(options_.device);
+    cuda::DeviceGuard guard(options_.device);
     OPD_RETURN_IF_ERROR(guard.status());
     Status st = s->Prepare(op, overload, args, &req);
     if (!st.ok()) {
@@ -637,7 +638,7 @@ Status Client::Prepare(std::string_view op, std::string_view overload, const std
                        PreparedCall* out) {
   std::shared_ptr<Session> s;
   OPD_RETURN_IF_ERROR(CurrentSession(&s));
-  DeviceGuard guard(options_.device);
+  cuda::DeviceGuard guard(options_.device);
   OPD_RETURN_IF_ERROR(guard.status());
   PreparedCall pc;
   Status st = s->Prepare(op, overload, args, &pc.request_);
@@ -677,7 +678,7 @@ Status Client::PruneRegions(size_t* removed) {
   if (removed) *removed = 0;
   std::shared_ptr<Session> s = Peek();
   if (!s) return Status::Ok();
-  DeviceGuard guard(options_.device);
+  cuda::DeviceGuard guard(options_.device);
   OPD_RETURN_IF_ERROR(guard.status());
   return s->regions().Prune(removed);
 }

@@ -57,18 +57,6 @@ struct DaemonAddress {
   std::string source;
 };
 
-// FormatGpuUuid
-//
-// The 16 bytes of a cudaUUID_t as nvidia-smi -L prints them:
-// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", lower-case hex, bytes in order.
-std::string FormatGpuUuid(const uint8_t bytes[16]);
-
-// IsGpuUuid
-//
-// True when `s` has exactly the shape FormatGpuUuid produces (so it can be
-// used as a file name without escaping).
-bool IsGpuUuid(std::string_view s);
-
 // DeviceUuid
 //
 // UUID of CUDA device `device` of this process, from

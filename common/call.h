@@ -1,14 +1,16 @@
 // File: common/call.h
 //
-// A call, as every transport hands it to the daemon's one call path. The gRPC
-// Call handler and the shared-memory ring each decode their own wire format
-// into a `CallRequest`; from here on (validation, dispatch, completion) no
-// code depends on the transport. Plain C++: no gRPC, protobuf or torch types.
+// A call, as every transport hands it to the daemon's one call path and as the
+// C++ client builds it. The gRPC Call handler and the shared-memory ring each
+// decode their own wire format into a `CallRequest`; from there on
+// (validation, dispatch, completion) no code depends on the transport. Plain
+// C++: no gRPC, protobuf or torch types. Dtype values and limits are the
+// contract's (proto/cache_dit_opd/v1/wire.h).
 //
 // A tensor never travels: a `TensorRef` names bytes inside a region (a client
 // allocation the session registered and the daemon mapped) plus the view
-// metadata. The dispatch layer checks that every byte the op will touch lies
-// inside that region before anything is launched.
+// metadata. The daemon checks that every byte the op will touch lies inside
+// that region before anything is launched.
 #pragma once
 
 #include <cstdint>
@@ -16,35 +18,28 @@
 #include <variant>
 #include <vector>
 
+#include "cache_dit_opd/v1/wire.h"
+
 namespace cache_dit_opd {
 
-// Wire dtype. The numeric values are part of protocol v1 (proto/ and the ring
-// record layout use them); never renumber.
+// Wire dtype: the values of protocol v1 (wire.h's table).
 enum class DType : int32_t {
   kUnspecified = 0,
-  kFloat32 = 1,
-  kFloat16 = 2,
-  kBFloat16 = 3,
-  kFloat8E4M3FN = 4,
-  kUInt8 = 5,
-  kInt8 = 6,
-  kInt32 = 7,
-  kInt64 = 8,
-  kFloat64 = 9,
-  kBool = 10,
-  kFloat8E5M2 = 11,
+#define CACHE_DIT_OPD_X(e, v, name, bytes, proto) e = v,
+  CACHE_DIT_OPD_WIRE_DTYPES(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
 };
 
-// Bytes per element; 0 for kUnspecified or an unknown value.
-int64_t DTypeSize(DType dtype);
-// "bfloat16", ... ; "dtype(<n>)" for an unknown value.
-std::string DTypeName(DType dtype);
+using v1::IsWireDType;
+using v1::kDTypeCount;
+using v1::kMaxArgs;
+using v1::kMaxListLength;
+using v1::kMaxTensorDims;
 
-// Limits that hold for every transport (the ring's fixed record layout is
-// sized from them).
-inline constexpr int kMaxTensorDims = 8;
-inline constexpr int kMaxArgs = 32;
-inline constexpr int kMaxListLength = 64;
+// Bytes per element; 0 for kUnspecified or a value outside the protocol.
+int64_t DTypeSize(DType dtype);
+// "bfloat16", ... (torch's name); "dtype(<n>)" for a value outside the protocol.
+std::string DTypeName(DType dtype);
 
 struct TensorRef {
   uint64_t region_id = 0;      // from RegisterRegion, scoped to the session
@@ -66,6 +61,14 @@ struct CallRequest {
   std::vector<Arg> args;  // every schema argument in order, including kwarg-only ones
   uint32_t lane = 0;      // the client's stream lane within the session
   uint64_t seq = 0;       // the lane's sequence number of this call (> 0, +1 per call)
+};
+
+// One entry of the op catalog a session is given at open (OpenSessionReply):
+// a ring record names its op by index into it.
+struct OpInfo {
+  std::string name;      // "fused_merge_attn_states"
+  std::string overload;  // "out" or "" (functional)
+  std::string schema;    // c10 schema string, e.g. "cache_dit_cuda_ops::fp8_comm_per_token_quant.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)"
 };
 
 }  // namespace cache_dit_opd

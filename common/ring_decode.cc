@@ -94,7 +94,7 @@ Status DecodeArg(int index, uint32_t kind, uint32_t count, const uint8_t* p, Arg
       t.byte_offset = Load<uint64_t>(p + 8);
       const int32_t dtype = Load<int32_t>(p + 16);
       // p + 20: pad, ignored.
-      if (dtype <= static_cast<int32_t>(DType::kUnspecified) || dtype > static_cast<int32_t>(DType::kFloat8E5M2)) {
+      if (!IsWireDType(dtype)) {
         return Status::InvalidArgument("argument ", index, ": dtype ", dtype, " is not a protocol v1 dtype");
       }
       t.dtype = static_cast<DType>(dtype);

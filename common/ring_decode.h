@@ -24,7 +24,6 @@
 
 #include "cache_dit_opd/v1/ring.h"
 #include "common/call.h"
-#include "server/dispatch/torch_call_runner.h"  // OpInfo (plain struct; no torch)
 #include "common/status.h"
 
 namespace cache_dit_opd {

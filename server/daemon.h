@@ -31,19 +31,18 @@
 #include <vector>
 
 #include "common/call.h"
-#include "server/exec/call_runner.h"
+#include "common/status.h"
 #include "server/device/device_ops.h"
-#include "server/dispatch/torch_call_runner.h"
-#include "server/exec/executor.h"
-#include "server/options.h"
-#include "server/session/reaper.h"
 #include "server/device/region_opener.h"
-#include "server/session/region_registry.h"
+#include "server/exec/call_runner.h"
+#include "server/exec/executor.h"
+#include "server/exec/stats.h"
+#include "server/options.h"
 #include "server/ring/ring_consumer.h"
+#include "server/session/reaper.h"
+#include "server/session/region_registry.h"
 #include "server/session/session_channel.h"
 #include "server/session/session_manager.h"
-#include "server/exec/stats.h"
-#include "common/status.h"
 
 namespace cache_dit_opd {
 

@@ -1,170 +1,38 @@
-// cache-dit-opd: parse -> probe -> claim sockets -> start -> wait -> drain -> exit.
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <csignal>
-#include <cstdio>
-#include <cstdlib>
+// cache-dit-opd: the daemon on the GPU (server/daemon_main.h does the rest).
 #include <memory>
 
-#include <spdlog/spdlog.h>
-
+#include "server/daemon_main.h"
 #include "server/device/cuda_device_ops.h"
 #include "server/device/device_probe.h"
 #include "server/device/ipc_region_opener.h"
-#include "server/daemon.h"
 #include "server/dispatch/torch_call_runner.h"
-#include "server/dispatch_call_runner.h"
-#include "server/grpc/grpc_server.h"
-#include "server/grpc/grpc_service.h"
-#include "server/logging.h"
-#include "server/options.h"
-#include "server/runtime_dir.h"
-#include "server/signals.h"
-
-#ifndef CACHE_DIT_OPD_VERSION
-#define CACHE_DIT_OPD_VERSION "0.0.0"
-#endif
-#ifndef CACHE_DIT_OPD_GIT_COMMIT
-#define CACHE_DIT_OPD_GIT_COMMIT ""
-#endif
-#ifndef CACHE_DIT_TORCH_VERSION
-#define CACHE_DIT_TORCH_VERSION ""
-#endif
 
 namespace cache_dit_opd {
 namespace {
 
-int Run(int argc, char** argv) {
-  // Before any thread exists, so every thread inherits the mask.
-  BlockShutdownSignals();
+class CudaBackend final : public DeviceBackend {
+ public:
+  DeviceInfo Probe(int device) override { return cuda::ProbeDevice(device); }
+  Status Open(const DeviceInfo& device, std::unique_ptr<DeviceOps>* ops,
+              std::unique_ptr<RegionOpener>* opener) override {
+    std::unique_ptr<cuda::CudaDeviceOps> cuda_ops;
+    OPD_RETURN_IF_ERROR(cuda::CudaDeviceOps::Create(device.index, &cuda_ops));
+    *ops = std::move(cuda_ops);
+    *opener = std::make_unique<cuda::IpcRegionOpener>(device.index);
+    return Status::Ok();
+  }
+  Status LoadOpLibrary(const std::string& path) override { return TorchCallRunner::LoadOpLibrary(path); }
+  std::vector<OpInfo> ListOps() override { return TorchCallRunner::ListOps(); }
+  CallRunner* runner() override { return &runner_; }
 
-  Options opts;
-  bool help = false;
-  Status s = ParseOptions(argc, argv, &opts, &help);
-  if (!s.ok()) {
-    std::fprintf(stderr, "cache-dit-opd: %s\n%s", s.message().c_str(), OptionsUsage().c_str());
-    return 2;
-  }
-  if (help) {
-    std::fputs(OptionsHelp().c_str(), stdout);
-    return 0;
-  }
-  if (Status ls = InitLogging(opts.log_level); !ls.ok()) {
-    std::fprintf(stderr, "cache-dit-opd: %s\n", ls.message().c_str());
-    return 2;
-  }
-
-  cuda::DeviceInfo dev = cuda::ProbeDevice(opts.device);
-  if (dev.ok) {
-    spdlog::info("device {}: {} {} (CUDA runtime {}, driver {})", dev.index, dev.name, dev.uuid,
-                 dev.runtime_version, dev.driver_version);
-  } else {
-    spdlog::warn("not serving: {}", dev.reason);
-  }
-
-  for (const std::string& lib : opts.load_libraries) {
-    if (Status l = LoadOpLibrary(lib); !l.ok()) {
-      spdlog::error("--load-library {}: {}", lib, l.message());
-      return 2;
-    }
-    spdlog::info("loaded op library {}", lib);
-  }
-  std::vector<OpInfo> catalog = ListOps();
-  spdlog::info("serving {} op overload(s) of cache_dit_cuda_ops", catalog.size());
-  for (const OpInfo& op : catalog) spdlog::info("  op {}", op.schema);
-  if (catalog.empty()) spdlog::warn("no op is registered in cache_dit_cuda_ops; calls will fail NOT_FOUND");
-
-  SocketPaths paths;
-  if (Status p = ResolveSocketPaths(opts, dev.ok ? dev.uuid : "", RuntimeDirEnvFromProcess(), &paths); !p.ok()) {
-    spdlog::error("{}", p.message());
-    return 2;
-  }
-  std::unique_ptr<InstanceLock> lock;
-  if (Status l = InstanceLock::Acquire(paths.lock, &lock); !l.ok()) {
-    spdlog::error("{}", l.message());
-    return 2;
-  }
-  if (Status p = PrepareSocketPath(paths.grpc, SOCK_STREAM); !p.ok()) {
-    spdlog::error("{}", p.message());
-    return 2;
-  }
-  if (Status p = PrepareSocketPath(paths.session, SOCK_SEQPACKET); !p.ok()) {
-    spdlog::error("{}", p.message());
-    return 2;
-  }
-
-  std::unique_ptr<cuda::CudaDeviceOps> device_ops;
-  std::unique_ptr<cuda::IpcRegionOpener> opener;
-  DispatchCallRunner runner;
-  DaemonDeps deps;
-  std::string not_serving = dev.ok ? "" : dev.reason;
-  if (dev.ok) {
-    if (Status d = cuda::CudaDeviceOps::Create(dev.index, &device_ops); !d.ok()) {
-      not_serving = d.message();
-    } else {
-      opener = std::make_unique<cuda::IpcRegionOpener>(dev.index);
-      deps = DaemonDeps{device_ops.get(), opener.get(), &runner};
-    }
-  }
-
-  DaemonInfo info;
-  info.daemon_version = CACHE_DIT_OPD_VERSION;
-  info.git_commit = CACHE_DIT_OPD_GIT_COMMIT;
-  info.torch_version = CACHE_DIT_TORCH_VERSION;
-  info.cuda_runtime_version = dev.runtime_version;
-  info.cuda_driver_version = dev.driver_version;
-  info.device_index = dev.ok ? dev.index : -1;
-  info.gpu_uuid = dev.ok ? dev.uuid : "";
-  info.gpu_name = dev.ok ? dev.name : "";
-
-  Daemon daemon(opts, info, std::move(catalog), not_serving, deps, paths.session);
-  if (Status d = daemon.Start(); !d.ok()) {
-    spdlog::error("session channel: {}", d.message());
-    return 2;
-  }
-  OperatorDaemonService service(&daemon);
-  GrpcServer server;
-  if (Status g = server.Start(paths.grpc, opts.max_message_bytes, &service, daemon.serving()); !g.ok()) {
-    spdlog::error("{}", g.message());
-    daemon.Stop();
-    return 2;
-  }
-  daemon.SetHealthListener([&server](bool serving) { server.SetServing(serving); });
-  if (opts.ring) {
-    spdlog::info("call ring offered: {} slots per session, spin {} us", opts.ring_capacity, opts.spin_us);
-  } else {
-    spdlog::info("call ring not offered (--no-ring): sessions use gRPC Call");
-  }
-  spdlog::info("cache-dit-opd {} (pid {}) listening: gRPC unix:{}, session channel {}; health {}{}",
-               CACHE_DIT_OPD_VERSION, getpid(), paths.grpc, paths.session,
-               daemon.serving() ? "SERVING" : "NOT_SERVING",
-               daemon.serving() ? "" : " (" + daemon.not_serving_reason() + ")");
-
-  SignalWaiter signals;
-  signals.Start([&daemon](int sig) {
-    daemon.RequestShutdown(0, sig == SIGINT ? "SIGINT" : sig == SIGHUP ? "SIGHUP" : "SIGTERM");
-  });
-
-  const int exit_code = daemon.WaitForShutdownRequest();
-  daemon.Drain();
-  // Every call has completed by now (drained or dropped); what is left
-  // in gRPC are cheap handlers.
-  server.Shutdown(std::chrono::milliseconds(200));
-  daemon.SetHealthListener(nullptr);
-  daemon.Stop();
-  signals.Stop();
-  spdlog::info("cache-dit-opd exiting with status {}", exit_code);
-  spdlog::shutdown();
-  if (exit_code != 0) {
-    // After a sticky CUDA error the context is unusable: skip destructors
-    // that would call into it, and let the supervisor restart us.
-    std::_Exit(exit_code);
-  }
-  return 0;
-}
+ private:
+  TorchCallRunner runner_{TorchCallRunner::Device::kCuda};
+};
 
 }  // namespace
 }  // namespace cache_dit_opd
 
-int main(int argc, char** argv) { return cache_dit_opd::Run(argc, argv); }
+int main(int argc, char** argv) {
+  cache_dit_opd::CudaBackend backend;
+  return cache_dit_opd::RunDaemon(argc, argv, backend);
+}

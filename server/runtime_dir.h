@@ -20,8 +20,8 @@
 #include <memory>
 #include <string>
 
-#include "server/options.h"
 #include "common/status.h"
+#include "server/options.h"
 
 namespace cache_dit_opd {
 

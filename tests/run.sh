@@ -5,7 +5,7 @@
 #
 # 1. deploy/install.sh            (skipped with CACHE_DIT_SKIP_INSTALL=1)
 # 2. deploy/build.sh              one CUDA target: CACHE_DIT_CUDA_ARCH_LIST,
-#                                 default 90a, to keep CI short
+#                                 default 90a, to keep CI short; -Werror
 # 3. ctest -LE gpu                GoogleTest suites that need no device
 # 4. pytest tests/kernels, tests/python, tests/bench -m "not gpu" (one process each)
 # ctest and pytest both run whatever the other did; the script exits non-zero
@@ -21,6 +21,8 @@ BUILD_DIR="${CACHE_DIT_BUILD_DIR:-$ROOT/build}"
 export CACHE_DIT_BUILD_DIR="$BUILD_DIR"
 export CACHE_DIT_CUDA_ARCH_LIST="${CACHE_DIT_CUDA_ARCH_LIST:-90a}"
 export CACHE_DIT_OPD_BUILD_DIR="$BUILD_DIR"
+# The project's own C++ is built with -Werror here (CI).
+export CACHE_DIT_CMAKE_ARGS="-DCACHE_DIT_WERROR=ON${CACHE_DIT_CMAKE_ARGS:+ $CACHE_DIT_CMAKE_ARGS}"
 RESULTS="$BUILD_DIR/test-results"
 START=$SECONDS
 

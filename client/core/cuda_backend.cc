@@ -17,14 +17,14 @@ std::string Hex(uint64_t v) {
 
 }  // namespace
 
-CudaLaneOps::CudaLaneOps(const DriverApi* api, int device, const SessionMemory* memory,
+CudaLaneOps::CudaLaneOps(const cuda::DriverApi* api, int device, const SessionMemory* memory,
                          uint64_t device_base)
     : api_(api), device_(device), memory_(memory), device_base_(device_base),
       events_(memory->lane_count(), nullptr) {}
 
 CudaLaneOps::~CudaLaneOps() {
   if (leak_) return;
-  DeviceGuard guard(device_);
+  cuda::DeviceGuard guard(device_);
   for (void* e : events_) {
     if (e != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(e));
   }
@@ -39,7 +39,7 @@ Status CudaLaneOps::WriteInputsReady(void* stream, uint32_t lane, uint64_t value
                                           CU_STREAM_WRITE_VALUE_DEFAULT);
   if (r != CUDA_SUCCESS) {
     return Status::Internal("cuStreamWriteValue64_v2(inputs_ready of lane ", lane, " = ", value,
-                            "): ", DriverErrorString(r));
+                            "): ", cuda::DriverErrorString(r));
   }
   return Status::Ok();
 }
@@ -50,7 +50,7 @@ Status CudaLaneOps::WaitDone(void* stream, uint32_t lane, uint64_t value) {
                                          CU_STREAM_WAIT_VALUE_GEQ);
   if (r != CUDA_SUCCESS) {
     return Status::Internal("cuStreamWaitValue64_v2(done of lane ", lane, " >= ", value,
-                            "): ", DriverErrorString(r));
+                            "): ", cuda::DriverErrorString(r));
   }
   return Status::Ok();
 }
@@ -61,14 +61,14 @@ Status CudaLaneOps::RecordFence(void* stream, uint32_t lane) {
     cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      return Status::Internal("cudaEventCreateWithFlags: ", RuntimeErrorString(err));
+      return Status::Internal("cudaEventCreateWithFlags: ", cuda::RuntimeErrorString(err));
     }
     events_[lane] = e;
   }
   cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(events_[lane]), static_cast<cudaStream_t>(stream));
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return Status::Internal("cudaEventRecord(fence of lane ", lane, "): ", RuntimeErrorString(err));
+    return Status::Internal("cudaEventRecord(fence of lane ", lane, "): ", cuda::RuntimeErrorString(err));
   }
   return Status::Ok();
 }
@@ -79,7 +79,7 @@ Status CudaLaneOps::WaitFence(void* stream, uint32_t lane) {
                                         static_cast<cudaEvent_t>(events_[lane]), 0);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return Status::Internal("cudaStreamWaitEvent(fence of lane ", lane, "): ", RuntimeErrorString(err));
+    return Status::Internal("cudaStreamWaitEvent(fence of lane ", lane, "): ", cuda::RuntimeErrorString(err));
   }
   return Status::Ok();
 }
@@ -119,7 +119,7 @@ Status CudaAllocationBackend::Lookup(const void* ptr, AllocationInfo* info) {
   const auto p = reinterpret_cast<CUdeviceptr>(ptr);
   CUresult r = api_->pointer_get_attributes(sizeof(attrs) / sizeof(attrs[0]), attrs, data, p);
   if (r != CUDA_SUCCESS) {
-    return Status::InvalidArgument("cuPointerGetAttributes(", Hex(p), "): ", DriverErrorString(r));
+    return Status::InvalidArgument("cuPointerGetAttributes(", Hex(p), "): ", cuda::DriverErrorString(r));
   }
   if (memory_type != CU_MEMORYTYPE_DEVICE) {
     return Status::InvalidArgument("tensor data ", Hex(p), " is not CUDA device memory (memory type ",
@@ -152,7 +152,7 @@ Status CudaAllocationBackend::Export(const AllocationInfo& alloc, std::array<uin
   size_t size = 0;
   CUresult r = api_->mem_get_address_range(&base, &size, alloc.base);
   if (r != CUDA_SUCCESS) {
-    return Status::InvalidArgument("cuMemGetAddressRange(", Hex(alloc.base), "): ", DriverErrorString(r));
+    return Status::InvalidArgument("cuMemGetAddressRange(", Hex(alloc.base), "): ", cuda::DriverErrorString(r));
   }
   if (base != alloc.base || size != alloc.size) {
     return Status::Internal("allocation at ", Hex(alloc.base), " of ", alloc.size,
@@ -162,7 +162,7 @@ Status CudaAllocationBackend::Export(const AllocationInfo& alloc, std::array<uin
   static_assert(sizeof(h) == 64, "legacy IPC handles are 64 bytes");
   r = api_->ipc_get_mem_handle(&h, base);
   if (r != CUDA_SUCCESS) {
-    return Status::InvalidArgument("cuIpcGetMemHandle(", Hex(base), "): ", DriverErrorString(r),
+    return Status::InvalidArgument("cuIpcGetMemHandle(", Hex(base), "): ", cuda::DriverErrorString(r),
                                    (r == CUDA_ERROR_INVALID_VALUE
                                         ? " (VMM or memory-pool memory cannot be exported with legacy IPC)"
                                         : ""));

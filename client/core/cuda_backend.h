@@ -15,17 +15,18 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cuda/device_guard.h"
 #include "client/core/lanes.h"
 #include "client/core/regions.h"
 #include "client/core/session_mapping.h"
+#include "common/cuda/device_guard.h"
+#include "common/cuda/driver_api.h"
 
 namespace cache_dit_opd::client {
 
 class CudaLaneOps final : public LaneStreamOps {
  public:
   // `device_base`: device address of `memory->base()` (cuMemHostGetDevicePointer).
-  CudaLaneOps(const DriverApi* api, int device, const SessionMemory* memory, uint64_t device_base);
+  CudaLaneOps(const cuda::DriverApi* api, int device, const SessionMemory* memory, uint64_t device_base);
   // Destroys the fence events; only once no stream can still wait on them
   // (FencesPassed()), else call Leak() first.
   ~CudaLaneOps() override;
@@ -42,7 +43,7 @@ class CudaLaneOps final : public LaneStreamOps {
   void Leak() { leak_ = true; }
 
  private:
-  const DriverApi* api_;
+  const cuda::DriverApi* api_;
   int device_;
   const SessionMemory* memory_;
   uint64_t device_base_;
@@ -55,12 +56,12 @@ class CudaLaneOps final : public LaneStreamOps {
 
 class CudaAllocationBackend final : public AllocationBackend {
  public:
-  explicit CudaAllocationBackend(const DriverApi* api) : api_(api) {}
+  explicit CudaAllocationBackend(const cuda::DriverApi* api) : api_(api) {}
   Status Lookup(const void* ptr, AllocationInfo* info) override;
   Status Export(const AllocationInfo& alloc, std::array<uint8_t, 64>* handle) override;
 
  private:
-  const DriverApi* api_;
+  const cuda::DriverApi* api_;
 };
 
 }  // namespace cache_dit_opd::client

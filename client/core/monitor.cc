@@ -28,7 +28,7 @@ SessionCore::~SessionCore() {
   }
   ops.reset();
   if (host_registered && memory && api != nullptr) {
-    DeviceGuard guard(device);
+    cuda::DeviceGuard guard(device);
     if (guard.status().ok()) api->mem_host_unregister(memory->base());
   }
   memory.reset();

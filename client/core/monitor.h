@@ -34,7 +34,7 @@
 
 #include "client/core/cuda_backend.h"
 #include "client/core/lanes.h"
-#include "client/session_channel.h"
+#include "client/core/session_channel.h"
 #include "client/core/session_mapping.h"
 
 namespace cache_dit_opd::client {
@@ -47,7 +47,7 @@ namespace cache_dit_opd::client {
 struct SessionCore {
   uint64_t session_id = 0;
   int device = -1;
-  const DriverApi* api = nullptr;
+  const cuda::DriverApi* api = nullptr;
   std::unique_ptr<SessionMemory> memory;
   bool host_registered = false;  // memory is registered with cuMemHostRegister
   std::unique_ptr<CudaLaneOps> ops;

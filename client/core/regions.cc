@@ -3,6 +3,8 @@
 #include <iomanip>
 #include <sstream>
 
+#include "common/view_extent.h"
+
 namespace cache_dit_opd::client {
 namespace {
 
@@ -44,33 +46,16 @@ Status ViewExtentBytes(const std::vector<int64_t>& sizes, const std::vector<int6
     return Status::InvalidArgument("tensor has ", sizes.size(), " dims, at most ", kMaxTensorDims,
                                    " are allowed");
   }
-  bool empty = false;
-  uint64_t last = 0;  // element index of the last addressable element
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (sizes[i] < 0) return Status::InvalidArgument("tensor size ", Dims(sizes), " has a negative dim");
     if (strides[i] < 0) {
       return Status::InvalidArgument("tensor strides ", Dims(strides), " have a negative stride");
     }
-    if (sizes[i] == 0) empty = true;
   }
-  if (empty) {
-    *bytes = 0;
-    return Status::Ok();
-  }
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    uint64_t term = 0;
-    if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[i] - 1), static_cast<uint64_t>(strides[i]), &term) ||
-        __builtin_add_overflow(last, term, &last)) {
-      return Status::InvalidArgument("tensor sizes ", Dims(sizes), " with strides ", Dims(strides),
-                                     " overflow 64 bits");
-    }
-  }
-  uint64_t b = 0;
-  if (__builtin_add_overflow(last, uint64_t{1}, &b) || __builtin_mul_overflow(b, static_cast<uint64_t>(item), &b)) {
+  if (!cache_dit_opd::ViewExtentBytes(sizes, strides, static_cast<uint64_t>(item), bytes)) {
     return Status::InvalidArgument("tensor sizes ", Dims(sizes), " with strides ", Dims(strides),
                                    " overflow 64 bits");
   }
-  *bytes = b;
   return Status::Ok();
 }
 

@@ -42,8 +42,8 @@
 #include <vector>
 
 #include "cache_dit_opd/v1/ring.h"
-#include "common/ring_encode.h"
 #include "common/call.h"
+#include "common/ring_encode.h"
 #include "common/status.h"
 
 namespace cache_dit_opd::client {

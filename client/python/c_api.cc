@@ -9,8 +9,8 @@
 #include <memory>
 #include <mutex>
 
-#include "client/python/proxy_kernel.h"
 #include "client/python/native_session.h"
+#include "client/python/proxy_kernel.h"
 
 using cache_dit_opd::Status;
 using namespace cache_dit_opd::client;

@@ -10,7 +10,7 @@ namespace cache_dit_opd::client {
 Status ProxySession::Create(const ProxySessionConfig& config, std::unique_ptr<ProxySession>* out) {
   std::unique_ptr<ProxySession> s(new ProxySession(config));
   Status st;
-  s->api_ = GetDriverApi(&st);
+  s->api_ = cuda::GetDriverApi(&st);
   if (s->api_ == nullptr) return st;
   OPD_RETURN_IF_ERROR(SessionMemory::Wrap(
       config.memory, config.memory_bytes,
@@ -83,7 +83,7 @@ Status ProxySession::Call(void* stream, uint32_t op_index, const RecordArgs& arg
                           const uint64_t* regions, size_t nregions, int32_t* code, std::string* message) {
   // The caller's current device may be another one: the lane's fence event
   // and stream operations belong to this session's device.
-  DeviceGuard device(config_.device);
+  cuda::DeviceGuard device(config_.device);
   OPD_RETURN_IF_ERROR(device.status());
   RingCompletion answer;
   *code = 0;

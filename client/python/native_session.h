@@ -35,8 +35,8 @@
 #include "client/core/cuda_backend.h"
 #include "client/core/lanes.h"
 #include "client/core/ring_producer.h"
-#include "common/ring_encode.h"
 #include "client/core/session_mapping.h"
+#include "common/ring_encode.h"
 #include "common/status.h"
 
 namespace cache_dit_opd::client {
@@ -142,7 +142,7 @@ class ProxySession {
 
   ProxySessionConfig config_;
   int pid_;
-  const DriverApi* api_ = nullptr;
+  const cuda::DriverApi* api_ = nullptr;
   std::unique_ptr<SessionMemory> memory_;
   std::unique_ptr<CudaLaneOps> lane_ops_;
   std::unique_ptr<LaneTable> lanes_;

@@ -15,6 +15,7 @@
 
 #include "client/python/native_session.h"
 #include "common/torch/scalar_type.h"
+#include "common/view_extent.h"
 
 namespace cache_dit_opd::client {
 
@@ -38,17 +39,12 @@ const OpPlan* PlanOf(const c10::OperatorHandle& op) {
   return it == g_plans.end() ? nullptr : &it->second;
 }
 
-// The view's bytes from element [0..0] to one past its last element
-// (the same span the Python client and the daemon check).
+// The view's bytes from element [0..0] to one past its last element (the
+// span the daemon checks); false for a negative stride or an overflow.
 bool ViewBytes(const at::Tensor& t, uint64_t* nbytes) {
-  uint64_t span = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const int64_t size = t.size(d), stride = t.stride(d);
-    if (stride < 0) return false;
-    span += static_cast<uint64_t>(size - 1) * static_cast<uint64_t>(stride);
-  }
-  *nbytes = span * t.element_size();
-  return true;
+  return cache_dit_opd::ViewExtentBytes(std::span<const int64_t>(t.sizes().data(), t.sizes().size()),
+                         std::span<const int64_t>(t.strides().data(), t.strides().size()),
+                         static_cast<uint64_t>(t.element_size()), nbytes);
 }
 
 // Encodes and runs the call natively; false (stack untouched) when it must

@@ -2,7 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
-namespace cache_dit_opd::client {
+#include "common/cuda/driver_api.h"
+
+namespace cache_dit_opd::cuda {
 namespace {
 
 // The device whose primary context this thread last bound through a
@@ -44,4 +46,4 @@ DeviceGuard::~DeviceGuard() {
   }
 }
 
-}  // namespace cache_dit_opd::client
+}  // namespace cache_dit_opd::cuda

@@ -86,24 +86,52 @@ std::string RuntimeErrorString(int cuda_error) {
   return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
 }
 
-bool IsStickyCudaError(int code) {
-  switch (code) {
-    case 214:  // ECC uncorrectable
-    case 700:  // illegal address
-    case 702:  // launch timeout
-    case 709:  // context is destroyed
-    case 710:  // device-side assert
-    case 714:  // hardware stack error
-    case 715:  // illegal instruction
-    case 716:  // misaligned address
-    case 717:  // invalid address space
-    case 718:  // invalid PC
-    case 719:  // launch failed
-    case 999:  // unknown
-      return true;
-    default:
-      return false;
+namespace {
+
+// The one table of errors after which the CUDA context is unusable: every
+// later call in the process fails the same way, so the daemon fails every
+// session and exits for its supervisor to restart it. Driver and runtime
+// spell the same numbers (checked below); 999 (unknown) is on the list
+// because a context in an unknown state is not one to keep serving from.
+struct StickyError {
+  CUresult driver;
+  cudaError_t runtime;
+};
+constexpr StickyError kStickyErrors[] = {
+    {CUDA_ERROR_ECC_UNCORRECTABLE, cudaErrorECCUncorrectable},
+    {CUDA_ERROR_NVLINK_UNCORRECTABLE, cudaErrorNvlinkUncorrectable},
+    {CUDA_ERROR_CONTAINED, cudaErrorContained},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, cudaErrorIllegalAddress},
+    {CUDA_ERROR_LAUNCH_TIMEOUT, cudaErrorLaunchTimeout},
+    {CUDA_ERROR_CONTEXT_IS_DESTROYED, cudaErrorContextIsDestroyed},
+    {CUDA_ERROR_ASSERT, cudaErrorAssert},
+    {CUDA_ERROR_HARDWARE_STACK_ERROR, cudaErrorHardwareStackError},
+    {CUDA_ERROR_ILLEGAL_INSTRUCTION, cudaErrorIllegalInstruction},
+    {CUDA_ERROR_MISALIGNED_ADDRESS, cudaErrorMisalignedAddress},
+    {CUDA_ERROR_INVALID_ADDRESS_SPACE, cudaErrorInvalidAddressSpace},
+    {CUDA_ERROR_INVALID_PC, cudaErrorInvalidPc},
+    {CUDA_ERROR_LAUNCH_FAILED, cudaErrorLaunchFailure},
+    {CUDA_ERROR_TENSOR_MEMORY_LEAK, cudaErrorTensorMemoryLeak},
+    {CUDA_ERROR_MPS_CLIENT_TERMINATED, cudaErrorMpsClientTerminated},
+    {CUDA_ERROR_EXTERNAL_DEVICE, cudaErrorExternalDevice},
+    {CUDA_ERROR_UNKNOWN, cudaErrorUnknown},
+};
+
+constexpr bool DriverAndRuntimeAgree() {
+  for (const StickyError& e : kStickyErrors) {
+    if (static_cast<int>(e.driver) != static_cast<int>(e.runtime)) return false;
   }
+  return true;
+}
+static_assert(DriverAndRuntimeAgree(), "a sticky error has different driver and runtime numbers");
+
+}  // namespace
+
+bool IsStickyCudaError(int code) {
+  for (const StickyError& e : kStickyErrors) {
+    if (static_cast<int>(e.driver) == code) return true;
+  }
+  return false;
 }
 
 }  // namespace cache_dit_opd::cuda

@@ -51,8 +51,9 @@ std::string DriverErrorString(CUresult result);
 std::string RuntimeErrorString(int cuda_error);
 
 // True for the errors that leave the CUDA context unusable (illegal address,
-// launch failure, hardware exception, ECC, ...). The numeric values coincide
-// between driver (CUresult) and runtime (cudaError_t) for these codes.
+// launch failure, hardware exception, ECC, ...): the one table the daemon's
+// stream operations and its dispatch layer both consult. Takes a CUresult or
+// a cudaError_t: the two agree on every one of these numbers.
 bool IsStickyCudaError(int code);
 
 }  // namespace cache_dit_opd::cuda

@@ -1,13 +1,15 @@
 // File: common/torch/scalar_type.h
 //
-// Wire DType (common/call.h, opd.proto) <-> at::ScalarType: the one table
-// every torch-facing side uses (the daemon's dispatcher, the Python client's
-// native kernels in client/python/, the in-process reference tool of the C++
-// client tests). Header-only; torch-facing (c10 headers only).
+// Wire DType (proto/cache_dit_opd/v1/wire.h) <-> at::ScalarType: the one
+// table every torch-facing side uses (the daemon's dispatcher, the Python
+// client's native kernels in client/python/, the in-process reference tool of
+// the C++ client tests). Header-only; torch-facing (c10 headers only), target
+// opd_common_torch.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
+#include <iterator>
 #include <optional>
 #include <utility>
 
@@ -28,6 +30,7 @@ inline constexpr std::pair<DType, c10::ScalarType> kWireScalarTypes[] = {
     {DType::kBool, c10::ScalarType::Bool},
     {DType::kFloat8E5M2, c10::ScalarType::Float8_e5m2},
 };
+static_assert(std::size(kWireScalarTypes) == v1::kDTypeCount - 1, "every wire dtype has a scalar type");
 
 // nullopt for kUnspecified and values outside protocol v1.
 inline std::optional<c10::ScalarType> ToScalarType(DType dtype) {

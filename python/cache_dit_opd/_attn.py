@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _proxy, _session
+from . import _proxy, _schemas, _session
 
 __all__ = [
     "attn_extension_is_available",
@@ -22,15 +22,7 @@ __all__ = [
 ]
 
 _FAMILY = "attn"
-_SCHEMAS = {
-    "fused_merge_attn_states": (
-        "(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse) -> (Tensor out, Tensor lse)"
-    ),
-    "fused_merge_attn_states.out": (
-        "(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse, *, Tensor(a!) out, Tensor(b!) lse)"
-        " -> (Tensor(a!) out, Tensor(b!) lse)"
-    ),
-}
+_SCHEMAS = _schemas.SCHEMAS[_FAMILY]  # generated from kernels/ops.def
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

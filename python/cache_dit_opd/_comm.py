@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _proxy, _session
+from . import _proxy, _schemas, _session
 
 __all__ = [
     "comm_extension_is_available",
@@ -26,16 +26,7 @@ __all__ = [
 ]
 
 _FAMILY = "comm"
-_SCHEMAS = {
-    "fp8_comm_per_token_quant": "(Tensor x) -> Tensor",
-    "fp8_comm_per_token_quant.out": "(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_per_token_dequant": "(Tensor x) -> Tensor",
-    "fp8_comm_per_token_dequant.out": "(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_qkv_permute_quant": "(Tensor x) -> Tensor",
-    "fp8_comm_qkv_permute_quant.out": "(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_qkv_permute_dequant": "(Tensor quant_x) -> Tensor",
-    "fp8_comm_qkv_permute_dequant.out": "(Tensor quant_x, *, Tensor(a!) out) -> Tensor(a!)",
-}
+_SCHEMAS = _schemas.SCHEMAS[_FAMILY]  # generated from kernels/ops.def
 _FP8 = torch.float8_e4m3fn
 _PER_TOKEN_SCALE_BYTES = 2  # bf16 scale after each row
 _QKV_SCALE_BYTES = 4  # fp32 scale after each [D] vector

@@ -1,52 +1,52 @@
-"""Mirror of ``proto/cache_dit_opd/v1/session_memory.h`` (layout version 1).
+"""The session channel messages and the session shared-memory layout, as the Python client uses them.
 
-The session channel messages and the session shared-memory layout are part of
-the protocol, like ``opd.proto``. This module restates the header's constants,
-sizes and field offsets for the Python client; ``tests/python/test_client_layout.py``
-parses the header and checks that every value here agrees with it.
+Every number comes from ``_wire`` (generated from ``proto/cache_dit_opd/v1/session_memory.h``);
+this module only shapes them into ``struct.Struct`` objects and offsets.
 """
 
 from __future__ import annotations
 
 import struct
 
-PROTOCOL_VERSION = 1  # kProtocolVersion
-LAYOUT_VERSION = 1  # kLayoutVersion
-SESSION_MEMORY_MAGIC = 0x504F4443  # kSessionMemoryMagic, "CDOP" little-endian
-BIND_REQUEST_MAGIC = 0x444E4942  # kBindRequestMagic, "BIND"
-TOKEN_BYTES = 32  # kTokenBytes
-LANES_OFFSET = 4096  # kLanesOffset
+from . import _wire
 
-# struct BindRequest { u32 magic; u32 protocol_version; u64 session_id; u8 token[32]; }
-BIND_REQUEST = struct.Struct("<IIQ32s")
-BIND_REQUEST_SIZE = 48
-# struct BindReply { i32 status_code; u32 layout_version; u64 shared_memory_bytes; char message[256]; }
-BIND_REPLY = struct.Struct("<iIQ256s")
-BIND_REPLY_SIZE = 272
+PAGE_BYTES = 4096  # mmap granularity of the session memory (its offsets are multiples of it)
 
-# struct SessionMemoryHeader: field -> (byte offset, struct format)
-HEADER_SIZE = 4096
-HEADER_FIELDS = {
-    "magic": (0, "<I"),
-    "layout_version": (4, "<I"),
-    "total_bytes": (8, "<Q"),
-    "session_id": (16, "<Q"),
-    "lane_count": (24, "<I"),
-    "lane_stride": (28, "<I"),
-    "lanes_offset": (32, "<Q"),
-    "ring_offset": (40, "<Q"),
-    "ring_bytes": (48, "<Q"),
-    "daemon_pid": (56, "<Q"),
-    "daemon_heartbeat": (64, "<Q"),
-}
-HEADER_RESERVED_OFFSET = 72
 
-# struct alignas(64) LaneSemaphores { u64 inputs_ready; u8 pad0[56]; u64 done; u8 pad1[56]; }
-LANE_STRIDE = 128
-LANE_INPUTS_READY_OFFSET = 0
-LANE_DONE_OFFSET = 64
+def struct_of(fields: dict, size: int) -> struct.Struct:
+    """A little-endian ``struct.Struct`` of ``size`` bytes with ``fields`` at their offsets, padding between."""
+    fmt, at = "<", 0
+    for off, f in sorted(fields.values()):
+        code = f[1:]
+        if off > at:
+            fmt += f"{off - at}x"
+        fmt += code
+        at = off + struct.calcsize("<" + code)
+    if size > at:
+        fmt += f"{size - at}x"
+    s = struct.Struct(fmt)
+    assert s.size == size, (fields, size)
+    return s
 
-PAGE_BYTES = 4096
+
+PROTOCOL_VERSION = _wire.PROTOCOL_VERSION
+LAYOUT_VERSION = _wire.LAYOUT_VERSION
+SESSION_MEMORY_MAGIC = _wire.SESSION_MEMORY_MAGIC
+BIND_REQUEST_MAGIC = _wire.BIND_REQUEST_MAGIC
+TOKEN_BYTES = _wire.TOKEN_BYTES
+LANES_OFFSET = _wire.LANES_OFFSET
+
+BIND_REQUEST = struct_of(_wire.BIND_REQUEST_FIELDS, _wire.BIND_REQUEST_SIZE)
+BIND_REQUEST_SIZE = _wire.BIND_REQUEST_SIZE
+BIND_REPLY = struct_of(_wire.BIND_REPLY_FIELDS, _wire.BIND_REPLY_SIZE)
+BIND_REPLY_SIZE = _wire.BIND_REPLY_SIZE
+
+HEADER_SIZE = _wire.SESSION_HEADER_SIZE
+HEADER_FIELDS = _wire.SESSION_HEADER_FIELDS
+
+LANE_STRIDE = _wire.LANE_SIZE
+LANE_INPUTS_READY_OFFSET = _wire.LANE_FIELDS["inputs_ready"][0]
+LANE_DONE_OFFSET = _wire.LANE_FIELDS["done"][0]
 
 
 def read_header(buf) -> dict:

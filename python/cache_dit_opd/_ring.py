@@ -51,78 +51,49 @@ import threading
 import time
 from typing import Callable
 
-# -- ring.h constants ---------------------------------------------------------------------------
+from . import _layout, _wire
 
-RING_VERSION = 1  # kRingVersion
-RING_CONTROL_BYTES = 256  # kRingControlBytes
-SLOT_BYTES = 2048  # kSlotBytes
-COMPLETION_BYTES = 256  # kCompletionBytes
-DEFAULT_RING_CAPACITY = 64  # kDefaultRingCapacity
-RECORD_MAGIC = 0x4C4C4143  # kRecordMagic, "CALL" little-endian
-DOORBELL_AWAKE = 0  # kDoorbellAwake
-DOORBELL_SLEEPING = 1  # kDoorbellSleeping
+# -- ring.h numbers (all from _wire, generated from the header) -------------------------------
 
-# RingArgKind
-ARG_NONE = 0
-ARG_TENSOR = 1
-ARG_INT = 2
-ARG_FLOAT = 3
-ARG_BOOL = 4
-ARG_INT_LIST = 5
-ARG_FLOAT_LIST = 6
-ARG_BOOL_LIST = 7
-ARG_KIND_NAMES = {ARG_NONE: "none", ARG_TENSOR: "tensor", ARG_INT: "int", ARG_FLOAT: "float", ARG_BOOL: "bool",
-                  ARG_INT_LIST: "int_list", ARG_FLOAT_LIST: "float_list", ARG_BOOL_LIST: "bool_list"}
+RING_VERSION = _wire.RING_VERSION
+RING_CONTROL_BYTES = _wire.RING_CONTROL_BYTES
+SLOT_BYTES = _wire.SLOT_BYTES
+COMPLETION_BYTES = _wire.COMPLETION_BYTES
+DEFAULT_RING_CAPACITY = _wire.DEFAULT_RING_CAPACITY
+RECORD_MAGIC = _wire.RECORD_MAGIC
+DOORBELL_AWAKE = _wire.DOORBELL_AWAKE
+DOORBELL_SLEEPING = _wire.DOORBELL_SLEEPING
 
-# common/call.h limits (the record layout is sized from them)
-MAX_TENSOR_DIMS = 8  # kMaxTensorDims
-MAX_ARGS = 32  # kMaxArgs
-MAX_LIST_LENGTH = 64  # kMaxListLength
-# wire DType values (common/call.h, opd.proto): 1 .. 11 are defined by protocol v1
-MAX_DTYPE = 11
+ARG_NONE = _wire.ARG_KINDS["none"]
+ARG_TENSOR = _wire.ARG_KINDS["tensor"]
+ARG_INT = _wire.ARG_KINDS["int"]
+ARG_FLOAT = _wire.ARG_KINDS["float"]
+ARG_BOOL = _wire.ARG_KINDS["bool"]
+ARG_INT_LIST = _wire.ARG_KINDS["int_list"]
+ARG_FLOAT_LIST = _wire.ARG_KINDS["float_list"]
+ARG_BOOL_LIST = _wire.ARG_KINDS["bool_list"]
+ARG_KIND_NAMES = {v: k for k, v in _wire.ARG_KINDS.items()}
+
+MAX_TENSOR_DIMS = _wire.MAX_TENSOR_DIMS
+MAX_ARGS = _wire.MAX_ARGS
+MAX_LIST_LENGTH = _wire.MAX_LIST_LENGTH
+MAX_DTYPE = _wire.DTYPE_COUNT - 1  # wire DType values 1 .. MAX_DTYPE
 
 RECORD_FLAG_ASYNC = 1  # RecordHeader.flags bit 0 (informational for the daemon)
 
-# struct RingControl: field -> (offset, struct format)
-CONTROL_FIELDS = {
-    "version": (0, "<I"),
-    "capacity": (4, "<I"),
-    "slot_bytes": (8, "<I"),
-    "completion_bytes": (12, "<I"),
-    "sq_tail": (64, "<Q"),
-    "sq_head": (128, "<Q"),
-    "doorbell": (192, "<I"),
-}
-# struct RingArgHeader { u32 kind; u32 count; }
-ARG_HEADER = struct.Struct("<II")
-ARG_HEADER_BYTES = 8
-# struct RecordHeader { u32 magic; u32 record_bytes; u64 ticket; u64 seq; u32 lane; u32 op_index; u32 nargs;
-#                       u32 flags; u8 reserved[24]; }
-RECORD_HEADER = struct.Struct("<IIQQIIII24x")
-RECORD_HEADER_BYTES = 64
-RECORD_FIELDS = {
-    "magic": (0, "<I"),
-    "record_bytes": (4, "<I"),
-    "ticket": (8, "<Q"),
-    "seq": (16, "<Q"),
-    "lane": (24, "<I"),
-    "op_index": (28, "<I"),
-    "nargs": (32, "<I"),
-    "flags": (36, "<I"),
-}
-RECORD_RESERVED_OFFSET = 40
-# struct CompletionRecord { u64 done_ticket; u64 ticket; u64 seq; u32 lane; i32 status_code; char message[224]; }
-COMPLETION = struct.Struct("<QQQIi224s")
-_COMPLETION_HEAD = struct.Struct("<QQQIi")  # COMPLETION without its message
-COMPLETION_FIELDS = {
-    "done_ticket": (0, "<Q"),
-    "ticket": (8, "<Q"),
-    "seq": (16, "<Q"),
-    "lane": (24, "<I"),
-    "status_code": (28, "<i"),
-    "message": (32, "224s"),
-}
-COMPLETION_MESSAGE_BYTES = 224
+CONTROL_FIELDS = {k: v for k, v in _wire.RING_CONTROL_FIELDS.items()}
+ARG_HEADER = _layout.struct_of(_wire.ARG_HEADER_FIELDS, _wire.ARG_HEADER_SIZE)
+ARG_HEADER_BYTES = _wire.ARG_HEADER_SIZE
+RECORD_HEADER = _layout.struct_of({k: v for k, v in _wire.RECORD_HEADER_FIELDS.items() if k != "reserved"},
+                                  _wire.RECORD_HEADER_SIZE)
+RECORD_HEADER_BYTES = _wire.RECORD_HEADER_SIZE
+RECORD_FIELDS = {k: v for k, v in _wire.RECORD_HEADER_FIELDS.items() if k != "reserved"}
+RECORD_RESERVED_OFFSET = _wire.RECORD_HEADER_FIELDS["reserved"][0]
+COMPLETION = _layout.struct_of(_wire.COMPLETION_FIELDS, _wire.COMPLETION_SIZE)
+_COMPLETION_HEAD = _layout.struct_of({k: v for k, v in _wire.COMPLETION_FIELDS.items() if k != "message"},
+                                     _wire.COMPLETION_FIELDS["message"][0])
+COMPLETION_FIELDS = _wire.COMPLETION_FIELDS
+COMPLETION_MESSAGE_BYTES = _wire.COMPLETION_SIZE - _wire.COMPLETION_FIELDS["message"][0]
 
 
 def ring_bytes(capacity: int) -> int:

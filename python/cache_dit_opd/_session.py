@@ -72,7 +72,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from . import _discovery, _layout, _native, _regions, _ring
+from . import _discovery, _layout, _native, _regions, _ring, _wire
 
 log = logging.getLogger("cache_dit_opd")
 
@@ -85,20 +85,7 @@ HEARTBEAT_TIMEOUT_S = float(os.environ.get("CACHE_DIT_OPD_HEARTBEAT_TIMEOUT_S", 
 WATCH_INTERVAL_S = 0.25
 NAMESPACE = "cache_dit_cuda_ops"
 
-# torch dtype name -> wire DType (proto/cache_dit_opd/v1/opd.proto, common/call.h)
-DTYPE_IDS = {
-    "float32": 1,
-    "float16": 2,
-    "bfloat16": 3,
-    "float8_e4m3fn": 4,
-    "uint8": 5,
-    "int8": 6,
-    "int32": 7,
-    "int64": 8,
-    "float64": 9,
-    "bool": 10,
-    "float8_e5m2": 11,
-}
+DTYPE_IDS = _wire.DTYPE_IDS  # torch dtype name -> wire DType (generated from wire.h)
 _dtype_ids: dict = {}  # torch.dtype -> wire DType, filled on first use (the hot path skips the name lookup)
 
 

@@ -20,10 +20,22 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "common/status.h"
 
 namespace cache_dit_opd {
+
+// What the daemon learns about its GPU at start-up.
+struct DeviceInfo {
+  bool ok = false;          // the device is usable: context created, driver entry points resolved
+  std::string reason;       // why not, e.g. "no GPU: cudaGetDeviceCount: cudaErrorNoDevice (...)"
+  int index = -1;           // CUDA ordinal in this process (--device)
+  std::string uuid;         // common/gpu_uuid.h's form: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+  std::string name;         // e.g. "NVIDIA H200"
+  int runtime_version = 0;  // cudaRuntimeGetVersion()
+  int driver_version = 0;   // cudaDriverGetVersion(); 0 without a driver
+};
 
 class DeviceOps {
  public:

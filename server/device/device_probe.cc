@@ -2,20 +2,11 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstdio>
 
 #include "common/cuda/driver_api.h"
+#include "common/gpu_uuid.h"
 
 namespace cache_dit_opd::cuda {
-
-std::string FormatGpuUuid(const unsigned char b[16]) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf),
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
-                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
-                b[14], b[15]);
-  return buf;
-}
 
 DeviceInfo ProbeDevice(int device) {
   DeviceInfo info;
@@ -50,7 +41,7 @@ DeviceInfo ProbeDevice(int device) {
     return info;
   }
   info.name = prop.name;
-  info.uuid = FormatGpuUuid(reinterpret_cast<const unsigned char*>(prop.uuid.bytes));
+  info.uuid = FormatGpuUuid(reinterpret_cast<const uint8_t*>(prop.uuid.bytes));
 
   err = cudaSetDevice(device);
   if (err == cudaSuccess) err = cudaFree(nullptr);  // creates the primary context now, not on the first call

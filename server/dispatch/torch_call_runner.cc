@@ -24,7 +24,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include "common/cuda/driver_api.h"
 #include "common/torch/scalar_type.h"
+#include "common/view_extent.h"
 
 namespace cache_dit_opd {
 namespace {
@@ -97,7 +99,7 @@ Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
     return Status::InvalidArgument("has ", dims, " sizes but ", t.strides.size(), " strides");
   }
   const int64_t itemsize = DTypeSize(t.dtype);
-  if (itemsize <= 0 || !ToScalarType(t.dtype)) {
+  if (itemsize <= 0) {
     return Status::InvalidArgument("has unknown dtype ", DTypeName(t.dtype));
   }
 
@@ -129,19 +131,8 @@ Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
   }
   if (numel == 0) return Status::Ok();
 
-  uint64_t last = 0;  // element index of the view's last element
-  uint64_t end = 0;   // one past its last byte, from the region base
-  bool overflow = false;
-  for (size_t i = 0; i < dims && !overflow; ++i) {
-    uint64_t span = 0;
-    overflow = __builtin_mul_overflow(static_cast<uint64_t>(t.sizes[i] - 1),
-                                      static_cast<uint64_t>(t.strides[i]), &span) ||
-               __builtin_add_overflow(last, span, &last);
-  }
-  overflow = overflow || __builtin_add_overflow(last, uint64_t{1}, &end) ||
-             __builtin_mul_overflow(end, item, &end) ||
-             __builtin_add_overflow(end, t.byte_offset, &end);
-  if (overflow) {
+  uint64_t end = 0;  // one past the view's last byte, from the region base
+  if (!ViewExtentBytes(t.sizes, t.strides, item, &end) || __builtin_add_overflow(end, t.byte_offset, &end)) {
     return Status::InvalidArgument("has an extent that overflows 64-bit byte arithmetic (",
                                    DescribeView(t), ")");
   }
@@ -366,32 +357,9 @@ Status OpNotFound(const std::string& qualified, const std::string& overload) {
                           " (registered: ", known, ")");
 }
 
-// Errors that leave the CUDA context unusable: every later call in this
-// process fails the same way, so the daemon must exit and be restarted.
-bool IsStickyCudaError(cudaError_t error) {
-  switch (error) {
-    case cudaErrorECCUncorrectable:
-    case cudaErrorNvlinkUncorrectable:
-    case cudaErrorContained:
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorAssert:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchFailure:
-    case cudaErrorTensorMemoryLeak:
-    case cudaErrorMpsClientTerminated:
-    case cudaErrorExternalDevice: return true;
-    default: return false;
-  }
-}
-
 Status CudaErrorStatus(const std::string& op_name, cudaError_t error, const char* what,
                        bool* sticky_cuda_error) {
-  const bool sticky = IsStickyCudaError(error);
+  const bool sticky = cuda::IsStickyCudaError(static_cast<int>(error));
   if (sticky && sticky_cuda_error != nullptr) *sticky_cuda_error = true;
   return Status::Internal(op_name, ": CUDA error ", cudaGetErrorName(error), " (",
                           static_cast<int>(error), "): ", what,
@@ -413,7 +381,7 @@ class PreparedCallImpl final : public PreparedCall {
   const std::vector<uint64_t>& regions() const override { return regions_; }
 
   Status Validate() {
-    if (meta_ || !op_.hasKernelForDispatchKey(c10::DispatchKey::Meta)) return Status::Ok();
+    if (!op_.hasKernelForDispatchKey(c10::DispatchKey::Meta)) return Status::Ok();
     try {
       c10::InferenceMode inference;
       torch::jit::Stack stack = args_;
@@ -447,7 +415,7 @@ class PreparedCallImpl final : public PreparedCall {
       // A stale non-sticky error belongs to some earlier call on this thread
       // (a failed IPC open, say); left set, the op's launch check would
       // report it as its own.
-      if (const cudaError_t stale = cudaGetLastError(); IsStickyCudaError(stale)) {
+      if (const cudaError_t stale = cudaGetLastError(); cuda::IsStickyCudaError(static_cast<int>(stale))) {
         return CudaErrorStatus(op_name_, stale, "before launch", sticky_cuda_error);
       }
       op_.callBoxed(stack);
@@ -484,7 +452,7 @@ class PreparedCallImpl final : public PreparedCall {
 
 }  // namespace
 
-std::vector<OpInfo> ListOps() {
+std::vector<OpInfo> TorchCallRunner::ListOps() {
   const std::string prefix = std::string(kNamespace) + "::";
   c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
   std::vector<OpInfo> ops;
@@ -503,7 +471,7 @@ std::vector<OpInfo> ListOps() {
   return ops;
 }
 
-Status LoadOpLibrary(const std::string& path) {
+Status TorchCallRunner::LoadOpLibrary(const std::string& path) {
   try {
     // RTLD_GLOBAL so that libraries loaded later can resolve this one's
     // symbols; the handle is never closed because the dispatcher keeps
@@ -522,8 +490,9 @@ Status LoadOpLibrary(const std::string& path) {
   return Status::Ok();
 }
 
-Status PrepareCall(const CallRequest& req, const RegionResolver& regions, bool device_type_meta,
-                   std::unique_ptr<PreparedCall>* out) {
+Status TorchCallRunner::Prepare(const CallRequest& req, const RegionResolver& regions,
+                                std::unique_ptr<PreparedCall>* out) {
+  const bool meta = device_ == Device::kMeta;
   const std::string qualified = std::string(kNamespace) + "::" + req.op;
   std::optional<c10::OperatorHandle> op =
       c10::Dispatcher::singleton().findSchema({qualified, req.overload});
@@ -533,7 +502,7 @@ Status PrepareCall(const CallRequest& req, const RegionResolver& regions, bool d
   OPD_RETURN_IF_ERROR(CheckWritesOnly(schema, op_name));
 
   std::vector<c10::IValue> args;
-  ArgDecoder decoder(op_name, regions, device_type_meta);
+  ArgDecoder decoder(op_name, regions, meta);
   try {
     // Inference tensors, to match the InferenceMode that RunCall runs in.
     c10::InferenceMode inference;
@@ -545,20 +514,16 @@ Status PrepareCall(const CallRequest& req, const RegionResolver& regions, bool d
   }
   const int device = decoder.device();
   *out = std::make_unique<PreparedCallImpl>(op_name, std::move(*op), std::move(args),
-                                            decoder.TakeRegions(), device, device_type_meta);
+                                            decoder.TakeRegions(), device, meta);
   return Status::Ok();
 }
 
-Status ValidateCall(PreparedCall& call) {
-  auto* prepared = dynamic_cast<PreparedCallImpl*>(&call);
-  if (prepared == nullptr) return Status::Internal("ValidateCall takes only calls made by PrepareCall");
-  return prepared->Validate();
-}
+// Only this runner's Prepare makes the calls handed back to it (the
+// CallRunner contract), so the casts below are exact.
+Status TorchCallRunner::Validate(PreparedCall& call) { return static_cast<PreparedCallImpl&>(call).Validate(); }
 
-Status RunCall(PreparedCall& call, void* cuda_stream, bool* sticky_cuda_error) {
-  auto* prepared = dynamic_cast<PreparedCallImpl*>(&call);
-  if (prepared == nullptr) return Status::Internal("RunCall takes only calls made by PrepareCall");
-  return prepared->Run(static_cast<cudaStream_t>(cuda_stream), sticky_cuda_error);
+Status TorchCallRunner::Run(PreparedCall& call, void* stream, bool* sticky) {
+  return static_cast<PreparedCallImpl&>(call).Run(static_cast<cudaStream_t>(stream), sticky);
 }
 
 }  // namespace cache_dit_opd

@@ -1,19 +1,34 @@
 // File: server/exec/call_runner.h
 //
-// The executor's view of the dispatch layer (server/dispatch/torch_call_runner.h):
-// decode + validate, then run on a stream. The daemon binary plugs in
-// DispatchCallRunner (server/dispatch_call_runner.h), which forwards to
-// PrepareCall/RunCall; executor tests plug in a fake, so the executor's
-// ordering logic is tested without torch or a GPU.
+// The executor's seam to whatever turns a CallRequest into work on a stream:
+// decode and bounds-check (Prepare), run the op's own checks without the GPU
+// (Validate), enqueue (Run). The daemon binary plugs in the torch dispatcher
+// (server/dispatch/torch_call_runner.h); executor tests plug in a fake, so the
+// executor's ordering logic is tested without torch or a GPU. Plain C++.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "common/call.h"
-#include "server/dispatch/torch_call_runner.h"
 #include "common/status.h"
+#include "server/session/mapped_region.h"
 
 namespace cache_dit_opd {
+
+// A decoded, bounds-checked call, ready to run; made by one CallRunner's
+// Prepare and handed back only to that runner.
+class PreparedCall {
+ public:
+  virtual ~PreparedCall() = default;
+  // "cache_dit_cuda_ops::op.overload"
+  virtual const std::string& op_name() const = 0;
+  // Region ids the call reads or writes (each once), for region lifetime
+  // tracking by the caller.
+  virtual const std::vector<uint64_t>& regions() const = 0;
+};
 
 class CallRunner {
  public:
@@ -22,7 +37,8 @@ class CallRunner {
   // go through `regions` (which records their use by this call).
   virtual Status Prepare(const CallRequest& req, const RegionResolver& regions,
                          std::unique_ptr<PreparedCall>* out) = 0;
-  // Runs the op's own argument checks without the GPU (see ValidateCall).
+  // Runs the op's own argument checks without the GPU, so a call can be
+  // accepted or rejected before its inputs are ready.
   virtual Status Validate(PreparedCall& /*call*/) { return Status::Ok(); }
   // Enqueues the prepared call on `stream`; never synchronizes the device.
   // Sets `*sticky` when the CUDA context is no longer usable.

@@ -57,11 +57,11 @@
 #include <vector>
 
 #include "common/call.h"
-#include "server/exec/call_runner.h"
-#include "server/device/device_ops.h"
-#include "server/session/session.h"
-#include "server/exec/stats.h"
 #include "common/status.h"
+#include "server/device/device_ops.h"
+#include "server/exec/call_runner.h"
+#include "server/exec/stats.h"
+#include "server/session/session.h"
 
 namespace cache_dit_opd {
 

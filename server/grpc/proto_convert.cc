@@ -3,6 +3,14 @@
 namespace cache_dit_opd {
 namespace {
 
+// opd.proto's DType enum and wire.h's table are the same numbers.
+#define CACHE_DIT_OPD_X(e, v, name, bytes, proto)                                  \
+  static_assert(static_cast<int>(v1::DTYPE_##proto) == v && static_cast<int>(DType::e) == v, \
+                "opd.proto DTYPE_" #proto " differs from wire.h");
+CACHE_DIT_OPD_WIRE_DTYPES(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+static_assert(v1::DType_ARRAYSIZE == kDTypeCount, "opd.proto has a dtype wire.h does not");
+
 Status TensorFromProto(int index, const v1::TensorRef& in, TensorRef* out) {
   if (in.sizes_size() > kMaxTensorDims) {
     return Status::InvalidArgument("argument ", index, ": tensor has ", in.sizes_size(), " dims, at most ",
@@ -13,7 +21,7 @@ Status TensorFromProto(int index, const v1::TensorRef& in, TensorRef* out) {
                                    in.strides_size(), " strides");
   }
   const int dtype = static_cast<int>(in.dtype());
-  if (dtype <= static_cast<int>(DType::kUnspecified) || dtype > static_cast<int>(DType::kFloat8E5M2)) {
+  if (!IsWireDType(dtype)) {
     return Status::InvalidArgument("argument ", index, ": dtype ", dtype, " is not a protocol v1 dtype");
   }
   out->region_id = in.region_id();

@@ -9,8 +9,8 @@
 
 #include "cache_dit_opd/v1/opd.pb.h"
 #include "common/call.h"
-#include "server/daemon.h"
 #include "common/status.h"
+#include "server/daemon.h"
 
 namespace cache_dit_opd {
 

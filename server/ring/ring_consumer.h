@@ -55,9 +55,8 @@
 #include <vector>
 
 #include "common/call.h"
-#include "server/dispatch/torch_call_runner.h"  // OpInfo
-#include "server/session/session.h"
 #include "common/status.h"
+#include "server/session/session.h"
 
 namespace cache_dit_opd {
 

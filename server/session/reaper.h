@@ -21,8 +21,8 @@
 #include <thread>
 #include <vector>
 
-#include "server/session/session.h"
 #include "common/status.h"
+#include "server/session/session.h"
 
 namespace cache_dit_opd {
 

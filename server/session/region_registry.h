@@ -35,9 +35,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "server/dispatch/torch_call_runner.h"
-#include "server/device/region_opener.h"
 #include "common/status.h"
+#include "server/device/region_opener.h"
+#include "server/session/mapped_region.h"
 
 namespace cache_dit_opd {
 

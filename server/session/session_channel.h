@@ -29,8 +29,8 @@
 #include <thread>
 #include <vector>
 
-#include "server/session/session_manager.h"
 #include "common/status.h"
+#include "server/session/session_manager.h"
 
 namespace cache_dit_opd {
 

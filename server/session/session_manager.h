@@ -33,12 +33,12 @@
 #include <vector>
 
 #include "cache_dit_opd/v1/session_memory.h"
+#include "common/status.h"
 #include "server/device/device_ops.h"
-#include "server/session/peer_policy.h"
 #include "server/device/region_opener.h"
+#include "server/session/peer_policy.h"
 #include "server/session/region_registry.h"
 #include "server/session/session.h"
-#include "common/status.h"
 
 namespace cache_dit_opd {
 

@@ -6,6 +6,8 @@ per-op check functions as the CUDA launchers.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 
@@ -17,18 +19,21 @@ from conftest import library_path
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
 
-SCHEMAS = {
-    "fused_merge_attn_states": "cache_dit_cuda_ops::fused_merge_attn_states(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse) -> (Tensor out, Tensor lse)",
-    "fused_merge_attn_states.out": "cache_dit_cuda_ops::fused_merge_attn_states.out(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse, *, Tensor(a!) out, Tensor(b!) lse) -> (Tensor(a!) out, Tensor(b!) lse)",
-    "fp8_comm_per_token_quant": "cache_dit_cuda_ops::fp8_comm_per_token_quant(Tensor x) -> Tensor",
-    "fp8_comm_per_token_quant.out": "cache_dit_cuda_ops::fp8_comm_per_token_quant.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_per_token_dequant": "cache_dit_cuda_ops::fp8_comm_per_token_dequant(Tensor x) -> Tensor",
-    "fp8_comm_per_token_dequant.out": "cache_dit_cuda_ops::fp8_comm_per_token_dequant.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_qkv_permute_quant": "cache_dit_cuda_ops::fp8_comm_qkv_permute_quant(Tensor x) -> Tensor",
-    "fp8_comm_qkv_permute_quant.out": "cache_dit_cuda_ops::fp8_comm_qkv_permute_quant.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_qkv_permute_dequant": "cache_dit_cuda_ops::fp8_comm_qkv_permute_dequant(Tensor quant_x) -> Tensor",
-    "fp8_comm_qkv_permute_dequant.out": "cache_dit_cuda_ops::fp8_comm_qkv_permute_dequant.out(Tensor quant_x, *, Tensor(a!) out) -> Tensor(a!)",
-}
+
+def _op_table() -> dict:
+    """The one op table (kernels/ops.def), as its generated Python copy states it.
+
+    Loaded by path: importing the cache_dit_opd package would define the namespace this process
+    gets from the kernel library.
+    """
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "python", "cache_dit_opd", "_schemas.py")
+    spec = importlib.util.spec_from_file_location("_opd_schemas", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {k: f"{mod.NAMESPACE}::{k}{v}" for family in mod.SCHEMAS.values() for k, v in family.items()}
+
+
+SCHEMAS = _op_table()
 
 
 def meta(*shape, dtype=BF16):

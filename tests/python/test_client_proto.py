@@ -100,20 +100,3 @@ def test_pb2_imports_without_warnings_or_version_checks():
     assert "runtime_version" not in text.split("DESCRIPTOR =")[0]
     assert "ValidateProtobufRuntimeVersion" not in text
     assert "builder as _builder" in text
-
-
-def test_dtype_numbering_matches_proto_and_call_h():
-    from cache_dit_opd import _session
-    from cache_dit_opd._proto import opd_pb2
-
-    names = {"float32": "FLOAT32", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "float8_e4m3fn": "FLOAT8_E4M3FN",
-             "uint8": "UINT8", "int8": "INT8", "int32": "INT32", "int64": "INT64", "float64": "FLOAT64",
-             "bool": "BOOL", "float8_e5m2": "FLOAT8_E5M2"}
-    for torch_name, wire in names.items():
-        assert _session.DTYPE_IDS[torch_name] == opd_pb2.DType.Value("DTYPE_" + wire)
-    call_h = open(os.path.join(fx.REPO, "common", "call.h")).read()
-    for wire in names.values():
-        k = "k" + "".join(p.capitalize() if not p[0].isdigit() else p for p in wire.lower().split("_"))
-        k = k.replace("Bfloat16", "BFloat16").replace("Uint8", "UInt8").replace("E4m3fn", "E4M3FN") \
-            .replace("E5m2", "E5M2")
-        assert f"{k} = {opd_pb2.DType.Value('DTYPE_' + wire)}," in call_h, k

@@ -1,11 +1,14 @@
-"""The client's proxy schemas equal the catalog contract and the kernel library's registrations.
+"""The client's proxy schemas: generated from the one op table, and equal to what the kernel library registers.
 
-The kernel library is loaded only in a child process: its TORCH_LIBRARY block
-and the client's definitions must never share a process.
+kernels/ops.def is the only place the schemas are written; python/cache_dit_opd/_schemas.py is what
+kernels/tools/schemas_py.cc prints from it (committed, so a pure-Python install needs no compiler).
+The kernel library is loaded only in a child process: its TORCH_LIBRARY block and the client's
+definitions must never share a process.
 """
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -14,22 +17,10 @@ import _client_fixtures as fx
 
 import cache_dit_opd  # noqa: F401
 
-# The contract (DESIGN.md section 3), written out once more on purpose.
-EXPECTED = {
-    "fused_merge_attn_states":
-        "(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse) -> (Tensor out, Tensor lse)",
-    "fused_merge_attn_states.out":
-        "(Tensor prev_out, Tensor prev_lse, Tensor suff_out, Tensor suff_lse, *, Tensor(a!) out, Tensor(b!) lse)"
-        " -> (Tensor(a!) out, Tensor(b!) lse)",
-    "fp8_comm_per_token_quant": "(Tensor x) -> Tensor",
-    "fp8_comm_per_token_quant.out": "(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_per_token_dequant": "(Tensor x) -> Tensor",
-    "fp8_comm_per_token_dequant.out": "(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_qkv_permute_quant": "(Tensor x) -> Tensor",
-    "fp8_comm_qkv_permute_quant.out": "(Tensor x, *, Tensor(a!) out) -> Tensor(a!)",
-    "fp8_comm_qkv_permute_dequant": "(Tensor quant_x) -> Tensor",
-    "fp8_comm_qkv_permute_dequant.out": "(Tensor quant_x, *, Tensor(a!) out) -> Tensor(a!)",
-}
+from cache_dit_opd import _schemas
+
+# Every schema, from the one table (kernels/ops.def, through the generated _schemas.py).
+EXPECTED = {k: v for family in _schemas.SCHEMAS.values() for k, v in family.items()}
 
 DUMP = """
 import json, sys, torch
@@ -63,14 +54,20 @@ def _client_schemas() -> dict:
     return out
 
 
+def test_committed_schemas_are_what_the_op_table_generates():
+    gen = os.path.join(fx.build_dir(), "kernels", "opd_schemas_py")
+    if not os.path.exists(gen):
+        if os.environ.get("CACHE_DIT_OPD_REQUIRE_BUILD") == "1":
+            pytest.fail(f"{gen} is not built (CACHE_DIT_OPD_REQUIRE_BUILD=1)")
+        pytest.skip(f"{gen} is not built")
+    fresh = subprocess.run([gen], capture_output=True, text=True, check=True).stdout
+    with open(_schemas.__file__) as f:
+        assert f.read() == fresh, ("python/cache_dit_opd/_schemas.py is stale: regenerate it with "
+                                   "build/kernels/opd_schemas_py > python/cache_dit_opd/_schemas.py")
+
+
 def test_client_schemas_are_the_contract():
     assert _client_schemas() == {k: _full(k, v) for k, v in EXPECTED.items()}
-
-
-def test_domain_tables_are_the_contract():
-    from cache_dit_opd import _attn, _comm
-
-    assert {**_attn._SCHEMAS, **_comm._SCHEMAS} == EXPECTED
 
 
 def test_client_in_a_fresh_process_defines_exactly_these():

@@ -4,11 +4,9 @@
 // lives in the session's memfd (session_memory.h) at
 // SessionMemoryHeader::ring_offset, ring_bytes long, when OpenSession granted
 // it (OpenSessionReply.ring_enabled). A ring record carries exactly what a
-// gRPC Call carries; the daemon decodes it into the same CallRequest
-// (common/call.h) and hands it to the same executor, so validation, dispatch,
-// ordering and completion are identical on both transports. The Python client
-// mirrors these constants in python/cache_dit_opd/_ring.py and a test keeps
-// them equal.
+// gRPC Call carries, so the daemon hands both to the same call path:
+// validation, dispatch, ordering and completion are identical on both
+// transports. Dtype values and limits are wire.h's.
 //
 // Region layout (offsets from ring_offset; all little-endian):
 //   [0, 256)                                   RingControl
@@ -57,6 +55,8 @@
 
 #include <cstdint>
 
+#include "cache_dit_opd/v1/wire.h"
+
 namespace cache_dit_opd::v1 {
 
 inline constexpr uint32_t kRingVersion = 1;
@@ -86,14 +86,14 @@ static_assert(sizeof(RingControl) == kRingControlBytes);
 // Argument kinds of a record (values fixed by layout v1).
 enum class RingArgKind : uint32_t {
   kNone = 0,
-  kTensor = 1,     // count = ndim (<= 8); then region_id u64, byte_offset u64,
-                   // dtype i32 (common/call.h DType), pad i32, sizes i64[ndim], strides i64[ndim]
+  kTensor = 1,     // count = ndim (<= kMaxTensorDims); then region_id u64, byte_offset u64,
+                   // dtype i32 (wire.h DType), pad i32, sizes i64[ndim], strides i64[ndim]
   kInt = 2,        // count = 1; then i64
   kFloat = 3,      // count = 1; then f64
   kBool = 4,       // count = 1; then i64 (0 or 1)
-  kIntList = 5,    // count = n (<= 64); then i64[n]
-  kFloatList = 6,  // count = n (<= 64); then f64[n]
-  kBoolList = 7,   // count = n (<= 64); then i64[n] (0 or 1)
+  kIntList = 5,    // count = n (<= kMaxListLength); then i64[n]
+  kFloatList = 6,  // count = n (<= kMaxListLength); then f64[n]
+  kBoolList = 7,   // count = n (<= kMaxListLength); then i64[n] (0 or 1)
 };
 
 // Each argument: this 8-byte header, then its payload (a multiple of 8 bytes).
@@ -112,7 +112,7 @@ struct RecordHeader {
   uint64_t seq;           // the lane's sequence number of this call
   uint32_t lane;          // 0 .. lanes-1
   uint32_t op_index;      // index into OpenSessionReply.catalog (name + overload)
-  uint32_t nargs;         // <= 32 (common/call.h kMaxArgs)
+  uint32_t nargs;         // <= kMaxArgs (wire.h)
   uint32_t flags;         // bit 0: asynchronous (informational; same handling)
   uint8_t reserved[24];
 };

@@ -49,28 +49,6 @@ class DiscoveryDirs : public ::testing::Test {
   DiscoveryEnv env_;
 };
 
-TEST(GpuUuid, FormatsSixteenBytesLikeNvidiaSmi) {
-  const uint8_t b[16] = {0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07,
-                         0x08, 0x09, 0x0a, 0x0b, 0x0c, 0x0d, 0x0e, 0x0f};
-  EXPECT_EQ(FormatGpuUuid(b), "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f");
-  const uint8_t c[16] = {0xde, 0xad, 0xbe, 0xef, 0xff, 0x00, 0x9a, 0xbc,
-                         0x80, 0x7f, 0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc};
-  EXPECT_EQ(FormatGpuUuid(c), "GPU-deadbeef-ff00-9abc-807f-123456789abc");
-  EXPECT_TRUE(IsGpuUuid(FormatGpuUuid(c)));
-}
-
-TEST(GpuUuid, RecognizesOnlyTheExactShape) {
-  EXPECT_TRUE(IsGpuUuid(kUuid));
-  EXPECT_TRUE(IsGpuUuid("GPU-5F1C2A3B-0D4E-4F60-8A9B-0C1D2E3F4A5B"));
-  EXPECT_FALSE(IsGpuUuid(""));
-  EXPECT_FALSE(IsGpuUuid("GPU-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5"));    // short
-  EXPECT_FALSE(IsGpuUuid("GPU-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5b0"));  // long
-  EXPECT_FALSE(IsGpuUuid("MIG-5f1c2a3b-0d4e-4f60-8a9b-0c1d2e3f4a5b"));
-  EXPECT_FALSE(IsGpuUuid("GPU-5f1c2a3b-0d4e-4f60-8a9b_0c1d2e3f4a5b"));
-  EXPECT_FALSE(IsGpuUuid("GPU-5f1c2a3b-0d4e-4f60-8a9g-0c1d2e3f4a5b"));
-  EXPECT_FALSE(IsGpuUuid("GPU-../../../../etc/passwd-0000-00000000"));
-}
-
 TEST(Discovery, SearchOrderIsRuntimeDirRunXdgTmp) {
   DiscoveryEnv env;
   env.runtime_dir = "/custom";

@@ -1,6 +1,6 @@
 // The session channel bind: one BindRequest out, one BindReply with the
-// memfd in (client/session_channel.h), against a fake daemon end.
-#include "client/session_channel.h"
+// memfd in (client/core/session_channel.h), against a fake daemon end.
+#include "client/core/session_channel.h"
 
 #include <gtest/gtest.h>
 #include <sys/socket.h>

@@ -23,6 +23,13 @@
 namespace cache_dit_opd {
 namespace {
 
+// One runner per device kind: a call goes back to the runner that prepared it.
+TorchCallRunner& Runner(bool meta) {
+  static TorchCallRunner cuda(TorchCallRunner::Device::kCuda);
+  static TorchCallRunner on_meta(TorchCallRunner::Device::kMeta);
+  return meta ? on_meta : cuda;
+}
+
 constexpr uint64_t kRegionId = 1;
 constexpr uint64_t kRegionBytes = 1 << 20;
 
@@ -53,7 +60,7 @@ class DispatchGpuTest : public ::testing::Test {
       GTEST_SKIP() << "no CUDA device";
     }
     if (OpsLibraryPath().empty()) GTEST_SKIP() << "no kernel library target in this build";
-    const Status loaded = LoadOpLibrary(OpsLibraryPath());
+    const Status loaded = TorchCallRunner::LoadOpLibrary(OpsLibraryPath());
     ASSERT_TRUE(loaded.ok()) << loaded.ToString();
     ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&base_, kRegionBytes), cudaSuccess);
@@ -111,10 +118,10 @@ TEST_F(DispatchGpuTest, PerTokenQuantMatchesInProcessOp) {
     req.args = {TensorRef{kRegionId, x_offset, {rows, d}, {d, 1}, DType::kBFloat16},
                 TensorRef{kRegionId, out_offset, {rows, d + 2}, {d + 2, 1}, DType::kFloat8E4M3FN}};
     std::unique_ptr<PreparedCall> call;
-    Status status = PrepareCall(req, *regions_, /*device_type_meta=*/false, &call);
+    Status status = Runner(false).Prepare(req, *regions_, &call);
     ASSERT_TRUE(status.ok()) << status.ToString();
     bool sticky = false;
-    status = RunCall(*call, stream_, &sticky);
+    status = Runner(false).Run(*call, stream_, &sticky);
     ASSERT_TRUE(status.ok()) << status.ToString();
     EXPECT_FALSE(sticky);
     ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
@@ -156,10 +163,10 @@ TEST_F(DispatchGpuTest, RunsOnTheGivenStream) {
   req.args = {TensorRef{kRegionId, 0, {rows, d}, {d, 1}, DType::kBFloat16},
               TensorRef{kRegionId, out_offset, {rows, d + 2}, {d + 2, 1}, DType::kFloat8E4M3FN}};
   std::unique_ptr<PreparedCall> call;
-  ASSERT_TRUE(PrepareCall(req, *regions_, /*device_type_meta=*/false, &call).ok());
+  ASSERT_TRUE(Runner(false).Prepare(req, *regions_, &call).ok());
   // The process's first call runs torch's lazy CUDA initialization, which
   // may synchronize the device: get it done before the stream is held.
-  ASSERT_TRUE(RunCall(*call, stream_, nullptr).ok());
+  ASSERT_TRUE(Runner(false).Run(*call, stream_, nullptr).ok());
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
   ASSERT_EQ(cudaMemset(static_cast<char*>(base_) + out_offset, 0, out_bytes), cudaSuccess);
 
@@ -180,7 +187,7 @@ TEST_F(DispatchGpuTest, RunsOnTheGivenStream) {
                 },
                 nullptr),
             cudaSuccess);
-  const Status status = RunCall(*call, stream_, nullptr);
+  const Status status = Runner(false).Run(*call, stream_, nullptr);
   // Pinned, so the probe's copy is a real async copy: a pageable one may be
   // staged through the driver's own thread, which the host function blocks.
   uint8_t* pinned = nullptr;
@@ -215,9 +222,9 @@ TEST_F(DispatchGpuTest, KernelCheckRejectionIsNotSticky) {
   req.args = {TensorRef{kRegionId, 0, {4, 64}, {64, 1}, DType::kFloat32},
               TensorRef{kRegionId, 4096, {4, 66}, {66, 1}, DType::kFloat8E4M3FN}};
   std::unique_ptr<PreparedCall> call;
-  ASSERT_TRUE(PrepareCall(req, *regions_, /*device_type_meta=*/false, &call).ok());
+  ASSERT_TRUE(Runner(false).Prepare(req, *regions_, &call).ok());
   bool sticky = false;
-  const Status status = RunCall(*call, stream_, &sticky);
+  const Status status = Runner(false).Run(*call, stream_, &sticky);
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
   EXPECT_FALSE(sticky);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);

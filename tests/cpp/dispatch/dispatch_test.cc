@@ -1,6 +1,6 @@
 // Argument decoding, bounds checks and boxed dispatch against the kernel
 // library's real schemas, on meta tensors: runs without a GPU. The kernel
-// library's Meta kernels carry its per-op checks, so RunCall on meta also
+// library's Meta kernels carry its per-op checks, so Run on meta also
 // shows those rejections surfacing as INVALID_ARGUMENT.
 #include "server/dispatch/torch_call_runner.h"
 
@@ -50,6 +50,13 @@ TORCH_LIBRARY_IMPL(cache_dit_cuda_ops, Meta, m) {
 
 namespace cache_dit_opd {
 namespace {
+
+// One runner per device kind: a call goes back to the runner that prepared it.
+TorchCallRunner& Runner(bool meta) {
+  static TorchCallRunner cuda(TorchCallRunner::Device::kCuda);
+  static TorchCallRunner on_meta(TorchCallRunner::Device::kMeta);
+  return meta ? on_meta : cuda;
+}
 
 constexpr uint64_t kBig = 1;       // 1 MiB
 constexpr uint64_t kSmall = 2;     // 256 bytes
@@ -128,15 +135,15 @@ class DispatchTest : public ::testing::Test {
  protected:
   Status Prepare(const CallRequest& req, bool meta = true) {
     std::unique_ptr<PreparedCall> call;
-    return PrepareCall(req, regions_, meta, &call);
+    return Runner(meta).Prepare(req, regions_, &call);
   }
 
   // PrepareCall, then RunCall on meta.
   Status PrepareAndRun(const CallRequest& req) {
     std::unique_ptr<PreparedCall> call;
-    OPD_RETURN_IF_ERROR(PrepareCall(req, regions_, /*device_type_meta=*/true, &call));
+    OPD_RETURN_IF_ERROR(Runner(true).Prepare(req, regions_, &call));
     bool sticky = false;
-    Status status = RunCall(*call, nullptr, &sticky);
+    Status status = Runner(true).Run(*call, nullptr, &sticky);
     EXPECT_FALSE(sticky);
     return status;
   }
@@ -159,7 +166,7 @@ class KernelOpsTest : public DispatchTest {
   static void SetUpTestSuite() {
     const std::string path = OpsLibraryPath();
     if (path.empty()) return;
-    load_status_ = new Status(LoadOpLibrary(path));
+    load_status_ = new Status(TorchCallRunner::LoadOpLibrary(path));
   }
   void SetUp() override {
     if (load_status_ == nullptr) GTEST_SKIP() << "no kernel library target in this build";
@@ -187,12 +194,12 @@ TEST_F(KernelOpsTest, MergeAttnStatesOut) {
                  View(kBig, 3 * out_bytes + 2 * lse_bytes, lse_sizes, DType::kFloat32)});
   };
   std::unique_ptr<PreparedCall> call;
-  Status status = PrepareCall(merge({b, s, h, d}), regions_, /*device_type_meta=*/true, &call);
+  Status status = Runner(true).Prepare(merge({b, s, h, d}), regions_, &call);
   ASSERT_TRUE(status.ok()) << status.ToString();
   EXPECT_EQ(call->op_name(), "cache_dit_cuda_ops::fused_merge_attn_states.out");
   EXPECT_EQ(call->regions(), std::vector<uint64_t>{kBig});
   bool sticky = false;
-  status = RunCall(*call, nullptr, &sticky);
+  status = Runner(true).Run(*call, nullptr, &sticky);
   EXPECT_TRUE(status.ok()) << status.ToString();
   EXPECT_FALSE(sticky);
 
@@ -234,15 +241,15 @@ TEST_F(KernelOpsTest, QkvPermuteDequantOut) {
 
 TEST_F(KernelOpsTest, RunCallCanRepeat) {
   std::unique_ptr<PreparedCall> call;
-  ASSERT_TRUE(PrepareCall(PerTokenQuant(QuantIn(), QuantOut()), regions_, true, &call).ok());
-  EXPECT_TRUE(RunCall(*call, nullptr, nullptr).ok());
-  EXPECT_TRUE(RunCall(*call, nullptr, nullptr).ok());
+  ASSERT_TRUE(Runner(true).Prepare(PerTokenQuant(QuantIn(), QuantOut()), regions_, &call).ok());
+  EXPECT_TRUE(Runner(true).Run(*call, nullptr, nullptr).ok());
+  EXPECT_TRUE(Runner(true).Run(*call, nullptr, nullptr).ok());
 }
 
 TEST_F(KernelOpsTest, RegionsListedOnceInFirstUseOrder) {
   std::unique_ptr<PreparedCall> call;
-  ASSERT_TRUE(PrepareCall(PerTokenQuant(View(kSmall, 0, {1, 64}, DType::kBFloat16), QuantOut()),
-                          regions_, true, &call)
+  ASSERT_TRUE(Runner(true).Prepare(PerTokenQuant(View(kSmall, 0, {1, 64}, DType::kBFloat16), QuantOut()),
+                          regions_, &call)
                   .ok());
   EXPECT_EQ(call->regions(), (std::vector<uint64_t>{kSmall, kBig}));
 }
@@ -251,8 +258,7 @@ TEST_F(KernelOpsTest, CudaWrappingNeedsNoGpu) {
   // from_blob with an explicit device must not ask the driver about the
   // pointer: this machine may have no GPU at all.
   std::unique_ptr<PreparedCall> call;
-  Status status = PrepareCall(PerTokenQuant(QuantIn(), QuantOut()), regions_,
-                              /*device_type_meta=*/false, &call);
+  Status status = Runner(false).Prepare(PerTokenQuant(QuantIn(), QuantOut()), regions_, &call);
   EXPECT_TRUE(status.ok()) << status.ToString();
 }
 
@@ -336,10 +342,10 @@ TEST_F(KernelOpsTest, ZeroStrideOnReadTensorLeftToTheOp) {
   // contiguous input and says so at RunCall).
   std::unique_ptr<PreparedCall> call;
   ASSERT_TRUE(
-      PrepareCall(PerTokenQuant(View(kSmall, 0, {4, 64}, DType::kBFloat16, {0, 1}), QuantOut()),
-                  regions_, true, &call)
+      Runner(true).Prepare(PerTokenQuant(View(kSmall, 0, {4, 64}, DType::kBFloat16, {0, 1}), QuantOut()),
+                  regions_, &call)
           .ok());
-  ExpectError(RunCall(*call, nullptr, nullptr), StatusCode::kInvalidArgument,
+  ExpectError(Runner(true).Run(*call, nullptr, nullptr), StatusCode::kInvalidArgument,
               {"fp8_comm_per_token_quant.out", "contiguous"});
 }
 
@@ -487,7 +493,7 @@ TEST_F(KernelOpsTest, ListOpsHasEveryOpAndOverload) {
        "cache_dit_cuda_ops::fp8_comm_qkv_permute_dequant.out(Tensor quant_x, *, "
        "Tensor(a!) out) -> Tensor(a!)"},
   };
-  const std::vector<OpInfo> ops = ListOps();
+  const std::vector<OpInfo> ops = TorchCallRunner::ListOps();
   std::map<std::pair<std::string, std::string>, std::string> listed;
   for (const OpInfo& op : ops) listed[{op.name, op.overload}] = op.schema;
   for (const auto& [key, schema] : expected) {
@@ -501,7 +507,7 @@ TEST_F(KernelOpsTest, ListOpsHasEveryOpAndOverload) {
 }
 
 TEST(LoadOpLibraryTest, MissingFileNamesPathAndReason) {
-  const Status status = LoadOpLibrary("/nonexistent/libnope.so");
+  const Status status = TorchCallRunner::LoadOpLibrary("/nonexistent/libnope.so");
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
   EXPECT_NE(status.message().find("/nonexistent/libnope.so"), std::string::npos);
 }

@@ -14,11 +14,11 @@
 #include <grpcpp/security/credentials.h>
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
-#include "fakes.h"
 #include "server/daemon.h"
 #include "server/grpc/grpc_server.h"
 #include "server/grpc/grpc_service.h"
 #include "test_util.h"
+#include "tests/fake_daemon/fakes.h"
 
 namespace cache_dit_opd {
 namespace {

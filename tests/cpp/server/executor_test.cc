@@ -8,7 +8,7 @@
 #include <future>
 #include <thread>
 
-#include "fakes.h"
+#include "tests/fake_daemon/fakes.h"
 
 namespace cache_dit_opd {
 namespace {

@@ -21,15 +21,15 @@
 #include <thread>
 #include <vector>
 
-#include "fakes.h"
+#include "common/cuda/driver_api.h"
+#include "server/daemon.h"
 #include "server/device/cuda_device_ops.h"
 #include "server/device/device_probe.h"
-#include "common/cuda/driver_api.h"
 #include "server/device/ipc_region_opener.h"
-#include "server/daemon.h"
 #include "server/session/region_registry.h"
 #include "server/session/session_memory.h"
 #include "test_util.h"
+#include "tests/fake_daemon/fakes.h"
 
 extern char** environ;
 
@@ -42,7 +42,7 @@ std::string g_self;  // path of this binary, for the exporter helper
 
 #define SKIP_WITHOUT_GPU()                                      \
   do {                                                          \
-    cuda::DeviceInfo info = cuda::ProbeDevice(0);               \
+    DeviceInfo info = cuda::ProbeDevice(0);               \
     if (!info.ok) GTEST_SKIP() << "no usable GPU: " << info.reason; \
   } while (0)
 
@@ -210,7 +210,7 @@ TEST(GpuRegionTest, RealHandleFromAnotherProcess) {
 // The op runner is a fake (the dispatch layer has its own tests).
 TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
   SKIP_WITHOUT_GPU();
-  cuda::DeviceInfo dev = cuda::ProbeDevice(0);
+  DeviceInfo dev = cuda::ProbeDevice(0);
   testing::TempDir dir;
   std::unique_ptr<cuda::CudaDeviceOps> ops;
   ASSERT_TRUE(cuda::CudaDeviceOps::Create(0, &ops).ok());
@@ -324,7 +324,7 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
 
 TEST(GpuProbeTest, UuidLooksLikeNvidiaSmi) {
   SKIP_WITHOUT_GPU();
-  cuda::DeviceInfo info = cuda::ProbeDevice(0);
+  DeviceInfo info = cuda::ProbeDevice(0);
   ASSERT_EQ(info.uuid.size(), 40u) << info.uuid;
   EXPECT_EQ(info.uuid.rfind("GPU-", 0), 0u);
   EXPECT_FALSE(info.name.empty());

@@ -45,20 +45,6 @@ TEST(ProtoTest, CallRequestRoundTripsOnTheWire) {
   EXPECT_EQ(b.args(7).value_case(), v1::Argument::kNone);
 }
 
-TEST(ProtoTest, DTypeNumbersMatchCallH) {
-  EXPECT_EQ(int(v1::DTYPE_FLOAT32), int(DType::kFloat32));
-  EXPECT_EQ(int(v1::DTYPE_FLOAT16), int(DType::kFloat16));
-  EXPECT_EQ(int(v1::DTYPE_BFLOAT16), int(DType::kBFloat16));
-  EXPECT_EQ(int(v1::DTYPE_FLOAT8_E4M3FN), int(DType::kFloat8E4M3FN));
-  EXPECT_EQ(int(v1::DTYPE_UINT8), int(DType::kUInt8));
-  EXPECT_EQ(int(v1::DTYPE_INT8), int(DType::kInt8));
-  EXPECT_EQ(int(v1::DTYPE_INT32), int(DType::kInt32));
-  EXPECT_EQ(int(v1::DTYPE_INT64), int(DType::kInt64));
-  EXPECT_EQ(int(v1::DTYPE_FLOAT64), int(DType::kFloat64));
-  EXPECT_EQ(int(v1::DTYPE_BOOL), int(DType::kBool));
-  EXPECT_EQ(int(v1::DTYPE_FLOAT8_E5M2), int(DType::kFloat8E5M2));
-}
-
 TEST(ProtoTest, CallRequestDecodesToPlainTypes) {
   CallRequest r;
   ASSERT_TRUE(FromProto(SampleCall(), &r).ok());

@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "fakes.h"
+#include "tests/fake_daemon/fakes.h"
 
 namespace cache_dit_opd {
 namespace {

@@ -22,14 +22,14 @@
 #include <thread>
 
 #include "client/core/ring_producer.h"
+#include "common/ring_decode.h"
 #include "common/ring_encode.h"
-#include "fakes.h"
 #include "ring_test_util.h"
 #include "server/daemon.h"
 #include "server/exec/executor.h"
-#include "common/ring_decode.h"
 #include "server/ring/ring_consumer.h"
 #include "test_util.h"
+#include "tests/fake_daemon/fakes.h"
 
 namespace cache_dit_opd {
 namespace {
@@ -235,10 +235,11 @@ TEST(RingCodecTest, RandomMutationsNeverCrashOrPassUncheckedValues) {
         if (const auto* t = std::get_if<TensorRef>(&a)) {
           ASSERT_LE(t->sizes.size(), static_cast<size_t>(kMaxTensorDims));
           ASSERT_EQ(t->sizes.size(), t->strides.size());
-          ASSERT_GE(static_cast<int>(t->dtype), 1);
-          ASSERT_LE(static_cast<int>(t->dtype), 11);
+          ASSERT_TRUE(IsWireDType(static_cast<int>(t->dtype))) << static_cast<int>(t->dtype);
         }
-        if (const auto* l = std::get_if<std::vector<int64_t>>(&a)) ASSERT_LE(l->size(), 64u);
+        if (const auto* l = std::get_if<std::vector<int64_t>>(&a)) {
+          ASSERT_LE(l->size(), static_cast<size_t>(kMaxListLength));
+        }
       }
     } else {
       ASSERT_EQ(s.code(), StatusCode::kInvalidArgument);

@@ -10,9 +10,9 @@
 #include <mutex>
 #include <thread>
 
-#include "fakes.h"
 #include "server/session/session_channel.h"
 #include "test_util.h"
+#include "tests/fake_daemon/fakes.h"
 
 namespace cache_dit_opd {
 namespace {

@@ -1,6 +1,10 @@
-// Fakes for CPU tests of the daemon's core: device operations that write
-// host memory directly, a region opener with configurable allocations, and a
-// call runner that records what ran where.
+// File: tests/fake_daemon/fakes.h
+//
+// Fakes of the daemon's device seams (server/device/) and of its CallRunner,
+// for the C++ CPU tests of the daemon's core and for the fake-device daemon
+// (tests/fake_daemon/main.cc): device operations that write host memory at
+// once, a region opener with configurable allocations, and a call runner
+// that records what ran where.
 #pragma once
 
 #include <atomic>
@@ -13,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "server/exec/call_runner.h"
 #include "server/device/device_ops.h"
 #include "server/device/region_opener.h"
+#include "server/exec/call_runner.h"
 
 namespace cache_dit_opd::testing {
 
@@ -95,12 +99,26 @@ class FakeDeviceOps : public DeviceOps {
 
 inline std::string Handle(uint8_t tag) { return std::string(64, static_cast<char>(tag)); }
 
-// Allocation size per handle's first byte; bases are fake addresses.
+// Allocation size per handle's first byte; bases are fake addresses. With
+// `decode_handles`, a handle instead carries its allocation as the Python
+// client's FakeDriver writes it (tests/python/_client_fixtures.py):
+// little-endian u64 base, u64 size, u64 buffer id, zeros; the base is the
+// "device pointer".
 class FakeRegionOpener : public RegionOpener {
  public:
   Status Open(std::string_view handle, void** base, uint64_t* size) override {
     std::lock_guard<std::mutex> lock(mu);
     if (handle.size() != kIpcHandleBytes) return Status::InvalidArgument("bad handle size");
+    if (decode_handles) {
+      uint64_t fields[2];
+      std::memcpy(fields, handle.data(), sizeof(fields));
+      if (fields[1] == 0) return Status::InvalidArgument("fake cudaIpcOpenMemHandle: not a FakeDriver handle");
+      *base = reinterpret_cast<void*>(fields[0]);
+      *size = fields[1];
+      ++open[*base];
+      ++opens;
+      return Status::Ok();
+    }
     uint8_t tag = static_cast<uint8_t>(handle[0]);
     if (refuse.count(tag)) return Status::InvalidArgument("fake cudaIpcOpenMemHandle refused");
     auto it = sizes.find(tag);
@@ -125,6 +143,7 @@ class FakeRegionOpener : public RegionOpener {
   std::map<uint8_t, uint64_t> sizes;
   std::set<uint8_t> refuse;
   uint64_t default_size = 1 << 20;
+  bool decode_handles = false;
   std::map<void*, int> open;
   int opens = 0;
   int closes = 0;

@@ -1,4 +1,4 @@
-#include "client/session_channel.h"
+#include "client/core/session_channel.h"
 
 #include <poll.h>
 #include <sys/socket.h>

@@ -1,4 +1,4 @@
-// File: client/session_channel.h
+// File: client/core/session_channel.h
 //
 // The client end of the session channel (`<GPU-UUID>.session.sock`,
 // SOCK_SEQPACKET; messages in proto/cache_dit_opd/v1/session_memory.h).

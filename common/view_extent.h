@@ -1,0 +1,49 @@
+// File: common/view_extent.h
+//
+// ViewExtentBytes: how many bytes a strided view spans, the one
+// overflow-checked formula behind the daemon's bounds check
+// (server/dispatch/torch_call_runner.cc), the C++ client's early check
+// (client/core/regions.cc) and the native proxy kernels
+// (client/python/proxy_kernel.cpp). Plain C++, header-only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace cache_dit_opd {
+
+// ViewExtentBytes
+//
+// Bytes from element [0, ..., 0] to one past the last element the view can
+// address: (1 + sum_i (size_i - 1) * stride_i) * itemsize, or 0 when any size
+// is 0 (an empty view addresses nothing). False, leaving `*bytes` alone, when
+// the ranks differ, a size or stride is negative, or the arithmetic overflows
+// 64 bits.
+inline bool ViewExtentBytes(std::span<const int64_t> sizes, std::span<const int64_t> strides, uint64_t itemsize,
+                            uint64_t* bytes) {
+  if (sizes.size() != strides.size()) return false;
+  bool empty = false;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0 || strides[i] < 0) return false;
+    empty = empty || sizes[i] == 0;
+  }
+  if (empty) {
+    *bytes = 0;
+    return true;
+  }
+  uint64_t last = 0;  // element index of the last addressable element
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    uint64_t term = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[i] - 1), static_cast<uint64_t>(strides[i]), &term) ||
+        __builtin_add_overflow(last, term, &last)) {
+      return false;
+    }
+  }
+  uint64_t b = 0;
+  if (__builtin_add_overflow(last, uint64_t{1}, &b) || __builtin_mul_overflow(b, itemsize, &b)) return false;
+  *bytes = b;
+  return true;
+}
+
+}  // namespace cache_dit_opd
