@@ -1,5 +1,6 @@
 #include "kernels/common/checks.h"
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include <sstream>
@@ -26,6 +27,7 @@ std::string join_sizes(Sizes sizes) {
 }  // namespace
 
 std::string shape_str(c10::SymIntArrayRef sizes) { return join_sizes(sizes); }
+std::string dtype_str(at::ScalarType dtype) { return std::string("torch.") + c10::getDtypeNames(dtype).first; }
 std::string shape_str(c10::IntArrayRef sizes) { return join_sizes(sizes); }
 
 void check_dims(const char* op, const char* name, const at::Tensor& t, int64_t dims,
@@ -41,8 +43,8 @@ void check_min_dims(const char* op, const char* name, const at::Tensor& t, int64
 }
 
 void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType expected) {
-  TORCH_CHECK_VALUE(t.scalar_type() == expected, op, ": ", name, " must be ", expected, ", got ",
-                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.scalar_type() == expected, op, ": ", name, " must be ", dtype_str(expected), ", got ",
+                    dtype_str(t.scalar_type()));
 }
 
 void check_dtype_in(const char* op, const char* name, const at::Tensor& t,
@@ -53,11 +55,11 @@ void check_dtype_in(const char* op, const char* name, const at::Tensor& t,
   std::ostringstream os;
   const char* sep = "";
   for (auto dtype : allowed) {
-    os << sep << dtype;
+    os << sep << dtype_str(dtype);
     sep = ", ";
   }
   TORCH_CHECK_VALUE(false, op, ": ", name, " must be one of {", os.str(), "}, got ",
-                    t.scalar_type());
+                    dtype_str(t.scalar_type()));
 }
 
 void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
@@ -91,8 +93,8 @@ void check_output(const char* op, const char* name, const at::Tensor& out,
                   std::initializer_list<const at::Tensor*> inputs) {
   TORCH_CHECK_VALUE(out.sym_sizes() == sizes, op, ": output ", name, " must have shape ",
                     shape_str(sizes), ", got ", shape_str(out.sym_sizes()));
-  TORCH_CHECK_VALUE(out.scalar_type() == dtype, op, ": output ", name, " must be ", dtype,
-                    ", got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.scalar_type() == dtype, op, ": output ", name, " must be ", dtype_str(dtype),
+                    ", got ", dtype_str(out.scalar_type()));
   TORCH_CHECK_VALUE(out.device() == device_ref.device(), op, ": output ", name, " is on ",
                     out.device(), " but the inputs are on ", device_ref.device());
   TORCH_CHECK_VALUE(out.is_contiguous(), op, ": output ", name,

@@ -7,8 +7,10 @@
 // the dispatcher).
 //
 // Every failure throws c10::ValueError (Python: ValueError) whose message
-// starts with the op name and names the offending value:
-//   "fp8_comm_per_token_quant: x must be bfloat16, got Float"
+// starts with the op name, names the argument and the offending value, with
+// dtypes as torch prints them and shapes as lists, as the Python client's
+// fakes do (tests/python/test_client_parity.py holds the two to that):
+//   "fp8_comm_per_token_quant: x must be torch.bfloat16, got torch.float32"
 //
 // Shapes are read as SymInts, so the checks also run while torch.compile
 // traces with symbolic shapes.
@@ -25,6 +27,8 @@ namespace cache_dit::checks {
 
 // "[2, 3, 4]"
 std::string shape_str(c10::SymIntArrayRef sizes);
+// "torch.bfloat16"
+std::string dtype_str(at::ScalarType dtype);
 std::string shape_str(c10::IntArrayRef sizes);
 
 // t.dim() == dims, else "op: name must have <dims> dims <layout>, got shape [..]".

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _proxy, _schemas, _session
+from . import _checks, _proxy, _schemas, _session
 
 __all__ = [
     "attn_extension_is_available",
@@ -23,8 +23,7 @@ __all__ = [
 
 _FAMILY = "attn"
 _SCHEMAS = _schemas.SCHEMAS[_FAMILY]  # generated from kernels/ops.def
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # outputs and LSEs alike
 
 
 # -- daemon connection -------------------------------------------------------------------
@@ -52,31 +51,35 @@ def _get_required_attn_session(device=None) -> "_session.Session":
 # -- validation (shared by the proxy impls and the fakes) ----------------------------------
 
 
-def _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse) -> None:
+def _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse, out=None, lse=None) -> None:
+    """check_merge_attn_states (kernels/attn/merge_attn_states.cpp), outputs included when given."""
     op = "fused_merge_attn_states"
-    for name, t in (("prev_out", prev_out), ("suff_out", suff_out)):
-        if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be [B, S, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in _OUT_DTYPES:
-            raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
-        if t.shape[-1] < 1:
-            raise ValueError(f"{op}: {name} head dim D must be >= 1, got {t.shape[-1]}")
-        if t.shape[-1] != 1 and t.stride(-1) != 1:
-            raise ValueError(f"{op}: {name} last dim must have stride 1, got strides {tuple(t.stride())}")
+    _checks.check_dims(op, "prev_out", prev_out, 4, "[B, S, H, D]")
+    _checks.check_dims(op, "suff_out", suff_out, 4, "[B, S, H, D]")
+    _checks.check_dims(op, "prev_lse", prev_lse, 4, "[B, S, H, 1]")
+    _checks.check_dims(op, "suff_lse", suff_lse, 4, "[B, S, H, 1]")
+    for name, t in (("prev_out", prev_out), ("suff_out", suff_out), ("prev_lse", prev_lse), ("suff_lse", suff_lse)):
+        _checks.check_dtype_in(op, name, t, _OUT_DTYPES)
+    _checks.check_same_device(op, suff_out, "suff_out",
+                              (("prev_out", prev_out), ("prev_lse", prev_lse), ("suff_lse", suff_lse)))
     if tuple(prev_out.shape) != tuple(suff_out.shape):
-        raise ValueError(
-            f"{op}: prev_out and suff_out must have the same shape, got {tuple(prev_out.shape)} "
-            f"and {tuple(suff_out.shape)}"
-        )
-    b, s, h, _ = suff_out.shape
+        raise ValueError(f"{op}: prev_out and suff_out must have the same shape, got "
+                         f"{_checks.shape_str(prev_out.shape)} and {_checks.shape_str(suff_out.shape)}")
+    if suff_out.shape[3] < 1:
+        raise ValueError(f"{op}: head dim D must be >= 1, got shape {_checks.shape_str(suff_out.shape)}")
+    lse_shape = (*suff_out.shape[:3], 1)
     for name, t in (("prev_lse", prev_lse), ("suff_lse", suff_lse)):
-        if t.dim() != 4 or tuple(t.shape) != (b, s, h, 1):
-            raise ValueError(f"{op}: {name} must be [B, S, H, 1] = {(b, s, h, 1)}, got shape {tuple(t.shape)}")
-        if t.dtype not in _LSE_DTYPES:
-            raise ValueError(f"{op}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
-    devs = {t.device for t in (prev_out, prev_lse, suff_out, suff_lse)}
-    if len(devs) != 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(str(d) for d in devs)}")
+        if tuple(t.shape) != lse_shape:
+            raise ValueError(f"{op}: {name} must have shape {_checks.shape_str(lse_shape)} ([B, S, H, 1] of the "
+                             f"outputs of shape {_checks.shape_str(suff_out.shape)}), got {_checks.shape_str(t.shape)}")
+    for name, t in (("prev_out", prev_out), ("suff_out", suff_out)):
+        if t.shape[3] != 1 and t.stride(3) != 1:
+            raise ValueError(f"{op}: {name} must have a contiguous last dim (stride 1), got strides "
+                             f"{_checks.shape_str(t.stride())}")
+    if out is not None:
+        _checks.check_output(op, "out", out, suff_out.shape, suff_out.dtype, suff_out)
+    if lse is not None:
+        _checks.check_output(op, "lse", lse, lse_shape, suff_lse.dtype, suff_out)
 
 
 # -- definitions -------------------------------------------------------------------------
@@ -109,10 +112,8 @@ def _fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse):
 
 def _fused_merge_attn_states_out(prev_out, prev_lse, suff_out, suff_lse, *, out, lse):
     op = "fused_merge_attn_states.out"
-    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse)
+    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse, out, lse)
     idx = _proxy.device_index(op, prev_out, prev_lse, suff_out, suff_lse, out, lse)
-    _proxy.check_out(op, "out", out, suff_out.shape, suff_out.dtype, suff_out.device)
-    _proxy.check_out(op, "lse", lse, suff_lse.shape, suff_lse.dtype, suff_lse.device)
     _proxy.check_not_capturing(op, idx)
     if out.numel():
         _call_fused_merge_attn_states(idx, prev_out, prev_lse, suff_out, suff_lse, out, lse)
@@ -127,10 +128,7 @@ def _fake_fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse):
 
 
 def _fake_fused_merge_attn_states_out(prev_out, prev_lse, suff_out, suff_lse, *, out, lse):
-    op = "fused_merge_attn_states.out"
-    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse)
-    _proxy.check_out(op, "out", out, suff_out.shape, suff_out.dtype, suff_out.device)
-    _proxy.check_out(op, "lse", lse, suff_lse.shape, suff_lse.dtype, suff_lse.device)
+    _check_merge_inputs(prev_out, prev_lse, suff_out, suff_lse, out, lse)
     return out, lse
 
 

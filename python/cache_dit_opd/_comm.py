@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _proxy, _schemas, _session
+from . import _checks, _proxy, _schemas, _session
 
 __all__ = [
     "comm_extension_is_available",
@@ -57,58 +57,74 @@ def _get_required_comm_session(device=None) -> "_session.Session":
 # -- validation and output shapes (shared by the proxy impls and the fakes) -------------------
 
 
-def _per_token_quant_meta(x):
+def _check_input(op: str, name: str, x) -> None:
+    if x.device.type not in ("cuda", "meta"):
+        raise ValueError(f"{op}: {name} must be a CUDA tensor, got device {x.device}")
+
+
+def _per_token_quant_meta(x, out=None):
+    """check_per_token_quant (kernels/comm/fp8_comm.cpp): the output's shape and dtype."""
     op = "fp8_comm_per_token_quant"
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must be [..., D], got a 0-dim tensor")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"{op}: x must be bfloat16, got {x.dtype}")
+    _check_input(op, "x", x)
+    _checks.check_min_dims(op, "x", x, 1, "[..., D]")
+    _checks.check_dtype(op, "x", x, torch.bfloat16)
     if x.shape[-1] < 1:
-        raise ValueError(f"{op}: x last dim D must be >= 1, got {x.shape[-1]}")
-    if not x.is_contiguous():
-        raise ValueError(f"{op}: x must be contiguous, got strides {tuple(x.stride())}")
-    return (*x.shape[:-1], x.shape[-1] + _PER_TOKEN_SCALE_BYTES), _FP8
+        raise ValueError(f"{op}: the last dim D must be >= 1, got shape {_checks.shape_str(x.shape)}")
+    _checks.check_contiguous(op, "x", x)
+    shape = (*x.shape[:-1], x.shape[-1] + _PER_TOKEN_SCALE_BYTES)
+    if out is not None:
+        _checks.check_output(op, "out", out, shape, _FP8, x)
+    return shape, _FP8
 
 
-def _per_token_dequant_meta(x):
+def _per_token_dequant_meta(x, out=None):
+    """check_per_token_dequant."""
     op = "fp8_comm_per_token_dequant"
-    if x.dim() < 1:
-        raise ValueError(f"{op}: x must be [..., D+2], got a 0-dim tensor")
-    if x.dtype != _FP8:
-        raise ValueError(f"{op}: x must be float8_e4m3fn, got {x.dtype}")
+    _check_input(op, "x", x)
+    _checks.check_min_dims(op, "x", x, 1, "[..., D + 2]")
+    _checks.check_dtype(op, "x", x, _FP8)
     if x.shape[-1] < 1 + _PER_TOKEN_SCALE_BYTES:
-        raise ValueError(f"{op}: x last dim (D+2) must be >= 3, got {x.shape[-1]}")
-    if not x.is_contiguous():
-        raise ValueError(f"{op}: x must be contiguous, got strides {tuple(x.stride())}")
-    return (*x.shape[:-1], x.shape[-1] - _PER_TOKEN_SCALE_BYTES), torch.bfloat16
+        raise ValueError(f"{op}: the last dim must be D + 2 with D >= 1, got shape {_checks.shape_str(x.shape)}")
+    _checks.check_contiguous(op, "x", x)
+    shape = (*x.shape[:-1], x.shape[-1] - _PER_TOKEN_SCALE_BYTES)
+    if out is not None:
+        _checks.check_output(op, "out", out, shape, torch.bfloat16, x)
+    return shape, torch.bfloat16
 
 
-def _qkv_permute_quant_meta(x):
+def _qkv_permute_quant_meta(x, out=None):
+    """check_qkv_permute_quant."""
     op = "fp8_comm_qkv_permute_quant"
-    if x.dim() != 5:
-        raise ValueError(f"{op}: x must be [B, S, P, N, D], got shape {tuple(x.shape)}")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"{op}: x must be bfloat16, got {x.dtype}")
+    _check_input(op, "x", x)
+    _checks.check_dims(op, "x", x, 5, "[B, S, P, N, D]")
+    _checks.check_dtype(op, "x", x, torch.bfloat16)
     b, s, p, n, d = x.shape
     if d < 1:
-        raise ValueError(f"{op}: x head dim D must be >= 1, got {d}")
-    if (d != 1 and x.stride(4) != 1) or (n != 1 and x.stride(3) != d):
-        raise ValueError(f"{op}: each [N, D] block of x must be contiguous, got strides {tuple(x.stride())}")
-    return (p, s, b, n, d + _QKV_SCALE_BYTES), _FP8
+        raise ValueError(f"{op}: head dim D must be >= 1, got shape {_checks.shape_str(x.shape)}")
+    if not ((d == 1 or x.stride(4) == 1) and (n == 1 or x.stride(3) == d)):
+        raise ValueError(f"{op}: each [N, D] block of x must be contiguous (strides [.., .., .., D, 1]), got shape "
+                         f"{_checks.shape_str(x.shape)} with strides {_checks.shape_str(x.stride())}")
+    shape = (p, s, b, n, d + _QKV_SCALE_BYTES)
+    if out is not None:
+        _checks.check_output(op, "out", out, shape, _FP8, x)
+    return shape, _FP8
 
 
-def _qkv_permute_dequant_meta(quant_x):
+def _qkv_permute_dequant_meta(quant_x, out=None):
+    """check_qkv_permute_dequant."""
     op = "fp8_comm_qkv_permute_dequant"
-    if quant_x.dim() != 4:
-        raise ValueError(f"{op}: quant_x must be [S, B, N, D+4], got shape {tuple(quant_x.shape)}")
-    if quant_x.dtype != _FP8:
-        raise ValueError(f"{op}: quant_x must be float8_e4m3fn, got {quant_x.dtype}")
+    _check_input(op, "quant_x", quant_x)
+    _checks.check_dims(op, "quant_x", quant_x, 4, "[S, B, N, D + 4]")
+    _checks.check_dtype(op, "quant_x", quant_x, _FP8)
     s, b, n, d4 = quant_x.shape
     if d4 < 1 + _QKV_SCALE_BYTES:
-        raise ValueError(f"{op}: quant_x last dim (D+4) must be >= 5, got {d4}")
-    if not quant_x.is_contiguous():
-        raise ValueError(f"{op}: quant_x must be contiguous, got strides {tuple(quant_x.stride())}")
-    return (b, s, n, d4 - _QKV_SCALE_BYTES), torch.bfloat16
+        raise ValueError(f"{op}: the last dim must be D + 4 with D >= 1, got shape "
+                         f"{_checks.shape_str(quant_x.shape)}")
+    _checks.check_contiguous(op, "quant_x", quant_x)
+    shape = (b, s, n, d4 - _QKV_SCALE_BYTES)
+    if out is not None:
+        _checks.check_output(op, "out", out, shape, torch.bfloat16, quant_x)
+    return shape, torch.bfloat16
 
 
 # -- definitions -------------------------------------------------------------------------
@@ -140,9 +156,8 @@ def _forward(op: str, meta, x):
 
 def _forward_out(op: str, meta, x, out):
     """Proxy impl of an .out overload."""
-    shape, dtype = meta(x)
+    meta(x, out)
     idx = _proxy.device_index(f"{op}.out", x, out)
-    _proxy.check_out(f"{op}.out", "out", out, shape, dtype, x.device)
     _proxy.check_not_capturing(f"{op}.out", idx)
     if out.numel():
         _call_comm_op(op, idx, x, out)
@@ -188,9 +203,8 @@ def _fake_of(meta, x):
 
 
 def _fake_of_out(op: str, meta, x, out):
-    """Fake of an .out overload: the shared checks, then the out= checks of the proxy impl."""
-    shape, dtype = meta(x)
-    _proxy.check_out(f"{op}.out", "out", out, shape, dtype, x.device)
+    """Fake of an .out overload: the shared checks, outputs included."""
+    meta(x, out)
     return out
 
 

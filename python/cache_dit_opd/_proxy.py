@@ -186,15 +186,3 @@ def device_index(op: str, *tensors) -> int:
     if len(devs) != 1:
         raise ValueError(f"{op}: all tensors must be on one CUDA device, got {sorted(str(d) for d in devs)}")
     raise ValueError(f"{op}: tensors must be on a CUDA device, got {next(iter(devs))}")
-
-
-def check_out(op: str, name: str, t, shape, dtype, device) -> None:
-    """An ``out=`` tensor of a .out overload: exact shape, dtype, device; contiguous."""
-    if t.shape != shape:  # torch.Size equals a tuple of the same ints
-        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{op}: {name} must have dtype {dtype}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{op}: {name} must be on {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{op}: {name} must be contiguous, got strides {tuple(t.stride())}")

@@ -140,16 +140,16 @@ def test_out_overloads_return_their_outputs(ops):
 # ---- rejections: ValueError naming the value --------------------------------------
 
 BAD = [
-    ("fp8_comm_per_token_quant", lambda: (meta(2, 8, dtype=torch.float16),), "must be BFloat16, got Half"),
+    ("fp8_comm_per_token_quant", lambda: (meta(2, 8, dtype=torch.float16),), "must be torch.bfloat16, got torch.float16"),
     ("fp8_comm_per_token_quant", lambda: (meta(2, 0),), "D must be >= 1, got shape [2, 0]"),
     ("fp8_comm_per_token_quant", lambda: (meta(4, 8).t(),), "must be contiguous, got shape [8, 4] with strides [1, 8]"),
     ("fp8_comm_per_token_quant", lambda: (meta(()),), "at least 1 dims"),
-    ("fp8_comm_per_token_dequant", lambda: (meta(2, 8),), "must be Float8_e4m3fn, got BFloat16"),
+    ("fp8_comm_per_token_dequant", lambda: (meta(2, 8),), "must be torch.float8_e4m3fn, got torch.bfloat16"),
     ("fp8_comm_per_token_dequant", lambda: (meta(2, 2, dtype=FP8),), "D + 2 with D >= 1, got shape [2, 2]"),
     ("fp8_comm_qkv_permute_quant", lambda: (meta(2, 4, 3, 64),), "must have 5 dims [B, S, P, N, D], got shape [2, 4, 3, 64]"),
     ("fp8_comm_qkv_permute_quant", lambda: (meta(2, 4, 3, 64, 5).transpose(3, 4),), "each [N, D] block of x must be contiguous"),
-    ("fp8_comm_qkv_permute_quant", lambda: (meta(2, 4, 3, 5, 64, dtype=torch.float32),), "must be BFloat16, got Float"),
-    ("fp8_comm_qkv_permute_dequant", lambda: (meta(4, 2, 5, 68),), "must be Float8_e4m3fn, got BFloat16"),
+    ("fp8_comm_qkv_permute_quant", lambda: (meta(2, 4, 3, 5, 64, dtype=torch.float32),), "must be torch.bfloat16, got torch.float32"),
+    ("fp8_comm_qkv_permute_dequant", lambda: (meta(4, 2, 5, 68),), "must be torch.float8_e4m3fn, got torch.bfloat16"),
     ("fp8_comm_qkv_permute_dequant", lambda: (meta(4, 2, 5, 4, dtype=FP8),), "D + 4 with D >= 1, got shape [4, 2, 5, 4]"),
     ("fp8_comm_qkv_permute_dequant", lambda: (meta(4, 2, 68, dtype=FP8),), "must have 4 dims [S, B, N, D + 4]"),
     ("fp8_comm_qkv_permute_dequant", lambda: (meta(2, 4, 5, 68, dtype=FP8).transpose(0, 1),), "quant_x must be contiguous"),
@@ -160,7 +160,7 @@ BAD = [
     ("fused_merge_attn_states", lambda: (meta(1, 2, 3, 8), meta(1, 3, 2, 1), meta(1, 2, 3, 8), meta(1, 2, 3, 1)),
      "prev_lse must have shape [1, 2, 3, 1]"),
     ("fused_merge_attn_states", lambda: (meta(1, 2, 3, 8, dtype=torch.int32), meta(1, 2, 3, 1), meta(1, 2, 3, 8), meta(1, 2, 3, 1)),
-     "prev_out must be one of {Half, BFloat16, Float}, got Int"),
+     "prev_out must be one of {torch.float16, torch.bfloat16, torch.float32}, got torch.int32"),
     ("fused_merge_attn_states", lambda: (meta(1, 2, 8, 3).transpose(2, 3), meta(1, 2, 3, 1), meta(1, 2, 3, 8), meta(1, 2, 3, 1)),
      "prev_out must have a contiguous last dim (stride 1)"),
     ("fused_merge_attn_states", lambda: (meta(1, 2, 3, 0), meta(1, 2, 3, 1), meta(1, 2, 3, 0), meta(1, 2, 3, 1)),
@@ -180,15 +180,15 @@ def test_rejects_bad_input_with_value_error(ops, name, make_args, message):
 
 BAD_OUT = [
     ("fp8_comm_per_token_quant", (meta(2, 8),), {"out": meta(2, 9, dtype=FP8)}, "output out must have shape [2, 10], got [2, 9]"),
-    ("fp8_comm_per_token_quant", (meta(2, 8),), {"out": meta(2, 10)}, "output out must be Float8_e4m3fn, got BFloat16"),
+    ("fp8_comm_per_token_quant", (meta(2, 8),), {"out": meta(2, 10)}, "output out must be torch.float8_e4m3fn, got torch.bfloat16"),
     ("fp8_comm_per_token_quant", (meta(2, 8),), {"out": meta(10, 2, dtype=FP8).t()}, "must be contiguous and non-overlapping, got strides [1, 2]"),
     # A zero stride would let a dense write run past the view.
     ("fp8_comm_per_token_quant", (meta(2, 8),), {"out": meta(1, 10, dtype=FP8).expand(2, 10)}, "must be contiguous and non-overlapping, got strides [0, 1]"),
-    ("fp8_comm_per_token_dequant", (meta(2, 10, dtype=FP8),), {"out": meta(2, 8, dtype=torch.float16)}, "output out must be BFloat16, got Half"),
+    ("fp8_comm_per_token_dequant", (meta(2, 10, dtype=FP8),), {"out": meta(2, 8, dtype=torch.float16)}, "output out must be torch.bfloat16, got torch.float16"),
     ("fp8_comm_qkv_permute_quant", (meta(2, 4, 3, 5, 64),), {"out": meta(2, 4, 3, 5, 68, dtype=FP8)}, "must have shape [3, 4, 2, 5, 68], got [2, 4, 3, 5, 68]"),
     ("fp8_comm_qkv_permute_dequant", (meta(4, 2, 5, 68, dtype=FP8),), {"out": meta(4, 2, 5, 64)}, "must have shape [2, 4, 5, 64], got [4, 2, 5, 64]"),
     ("fused_merge_attn_states", (meta(1, 2, 3, 8), meta(1, 2, 3, 1), meta(1, 2, 3, 8), meta(1, 2, 3, 1)),
-     {"out": meta(1, 2, 3, 8, dtype=torch.float32), "lse": meta(1, 2, 3, 1)}, "output out must be BFloat16, got Float"),
+     {"out": meta(1, 2, 3, 8, dtype=torch.float32), "lse": meta(1, 2, 3, 1)}, "output out must be torch.bfloat16, got torch.float32"),
     ("fused_merge_attn_states", (meta(1, 2, 3, 8), meta(1, 2, 3, 1), meta(1, 2, 3, 8), meta(1, 2, 3, 1)),
      {"out": meta(1, 2, 3, 8), "lse": meta(1, 2, 3, 2)}, "output lse must have shape [1, 2, 3, 1], got [1, 2, 3, 2]"),
 ]

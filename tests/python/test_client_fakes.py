@@ -5,6 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import _bad_inputs as bad
 import _client_fixtures  # noqa: F401  (source tree on sys.path)
 
 from cache_dit_opd import _attn, _comm, kernels
@@ -86,64 +87,19 @@ def _m(*shape, dtype=BF16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-MERGE_OK = dict(po=(2, 3, 4, 8), so=(2, 3, 4, 8), pl=(2, 3, 4, 1), sl=(2, 3, 4, 1))
-
-BAD_CASES = [
-    # (callable, expected substring)
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 8), _m(2, 3, 4, 1, dtype=torch.float32), _m(2, 3, 4, 8),
-                                             _m(2, 3, 4, 1, dtype=torch.float32)), "(2, 3, 8)"),
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 4, 8, dtype=torch.float64), _m(2, 3, 4, 1),
-                                             _m(2, 3, 4, 8), _m(2, 3, 4, 1)), "torch.float64"),
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 4, 8), _m(2, 3, 4, 1), _m(2, 3, 4, 9), _m(2, 3, 4, 1)),
-     "(2, 3, 4, 9)"),
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 4, 8), _m(2, 3, 4, 2), _m(2, 3, 4, 8), _m(2, 3, 4, 1)),
-     "(2, 3, 4, 2)"),
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 4, 8), _m(2, 3, 4, 1, dtype=torch.int32), _m(2, 3, 4, 8),
-                                             _m(2, 3, 4, 1)), "torch.int32"),
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 4, 8), _m(2, 3, 4, 1), _m(2, 3, 4, 8),
-                                             _m(2, 3, 4, 1, dtype=torch.float64)), "torch.float64"),
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 8, 4).transpose(2, 3), _m(2, 3, 4, 1), _m(2, 3, 4, 8),
-                                             _m(2, 3, 4, 1)), "stride"),
-    (lambda: kernels.fused_merge_attn_states(_m(2, 3, 4, 0), _m(2, 3, 4, 1), _m(2, 3, 4, 0), _m(2, 3, 4, 1)),
-     "got 0"),
-    (lambda: kernels.fp8_comm_per_token_quant(_m(4, 8, dtype=torch.float16)), "torch.float16"),
-    (lambda: kernels.fp8_comm_per_token_quant(_m(4, 0)), "got 0"),
-    (lambda: kernels.fp8_comm_per_token_quant(_m(8, 4).t()), "strides (1, 4)"),
-    (lambda: kernels.fp8_comm_per_token_quant(torch.empty((), dtype=BF16, device="meta")), "0-dim"),
-    (lambda: kernels.fp8_comm_per_token_dequant(_m(4, 10)), "torch.bfloat16"),
-    (lambda: kernels.fp8_comm_per_token_dequant(_m(4, 2, dtype=FP8)), "got 2"),
-    (lambda: kernels.fp8_comm_per_token_dequant(_m(10, 4, dtype=FP8).t()), "strides"),
-    (lambda: kernels.fp8_comm_qkv_permute_quant(_m(2, 3, 4, 8)), "(2, 3, 4, 8)"),
-    (lambda: kernels.fp8_comm_qkv_permute_quant(_m(2, 3, 4, 8, 16, dtype=torch.float32)), "torch.float32"),
-    (lambda: kernels.fp8_comm_qkv_permute_quant(_m(2, 3, 4, 16, 8).transpose(3, 4)), "strides"),
-    (lambda: kernels.fp8_comm_qkv_permute_quant(_m(2, 3, 4, 8, 0)), "got 0"),
-    (lambda: kernels.fp8_comm_qkv_permute_dequant(_m(3, 2, 4, 8, 12, dtype=FP8)), "(3, 2, 4, 8, 12)"),
-    (lambda: kernels.fp8_comm_qkv_permute_dequant(_m(3, 2, 4, 4, dtype=FP8)), "got 4"),
-    (lambda: kernels.fp8_comm_qkv_permute_dequant(_m(3, 2, 4, 12)), "torch.bfloat16"),
-    (lambda: kernels.fp8_comm_qkv_permute_dequant(_m(2, 3, 4, 12, dtype=FP8).transpose(0, 1)), "strides"),
-    (lambda: ops.fp8_comm_per_token_quant.out(_m(4, 8), out=_m(4, 9, dtype=FP8)), "(4, 9)"),
-    (lambda: ops.fp8_comm_per_token_quant.out(_m(4, 8), out=_m(4, 10)), "torch.bfloat16"),
-    (lambda: ops.fused_merge_attn_states.out(_m(2, 3, 4, 8), _m(2, 3, 4, 1), _m(2, 3, 4, 8), _m(2, 3, 4, 1),
-                                             out=_m(2, 3, 4, 8), lse=_m(2, 3, 4, 1, dtype=torch.float16)),
-     "torch.float16"),
-]
-
-
-@pytest.mark.parametrize("case", range(len(BAD_CASES)))
+@pytest.mark.parametrize("case", bad.CASES, ids=[c[0] for c in bad.CASES])
 def test_validation_raises_value_error_naming_the_value(case):
-    fn, needle = BAD_CASES[case]
-    with pytest.raises(ValueError) as e:
-        fn()
-    assert needle in str(e.value), str(e.value)
+    kind, message = bad.run(ops, case)
+    assert kind == "ValueError", (kind, message)
+    assert case[3] in message, message
 
 
-@pytest.mark.parametrize("case", range(len(BAD_CASES)))
+@pytest.mark.parametrize("case", bad.CASES, ids=[c[0] for c in bad.CASES])
 def test_validation_under_fake_tensors(case):
-    fn, needle = BAD_CASES[case]
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with pytest.raises(ValueError) as e:
-            fn()
-    assert needle in str(e.value)
+        kind, message = bad.run(ops, case)
+    assert kind == "ValueError", (kind, message)
+    assert case[3] in message, message
 
 
 def test_proxy_impls_validate_before_allocating(monkeypatch):
@@ -158,7 +114,7 @@ def test_proxy_impls_validate_before_allocating(monkeypatch):
     monkeypatch.setattr(torch, "empty", boom)
     with pytest.raises(ValueError, match="torch.float16"):
         _comm._fp8_comm_per_token_quant(x16)
-    with pytest.raises(ValueError, match=r"\(2, 3, 8\)"):
+    with pytest.raises(ValueError, match=r"\[2, 3, 8\]"):
         _attn._fused_merge_attn_states(*bad_merge)
     with pytest.raises(ValueError, match="CUDA device"):  # valid inputs, but not on CUDA
         _comm._fp8_comm_qkv_permute_dequant(chunk)

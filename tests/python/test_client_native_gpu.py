@@ -114,7 +114,7 @@ def test_a_rejected_sync_call_raises_what_the_python_path_raises(native):
     x = torch.randn(8, 64, device="cuda", dtype=BF16)
     bad = torch.empty(8, 66, device="cuda", dtype=BF16)  # wrong dtype: the daemon refuses it
     before = _state(s)
-    with pytest.raises(ValueError, match="out must have dtype"):
+    with pytest.raises(ValueError, match="output out must be torch"):
         OPS.fp8_comm_per_token_quant.out(x, out=bad)
     after = _state(s)
     assert after["fallbacks"]["rejected"] == before["fallbacks"]["rejected"] + 1
@@ -192,7 +192,7 @@ def test_functional_overloads_validate_in_python_then_run_natively(native):
         - sum(before["fallbacks"].values()) == 2
     assert after["native_calls"] > before["native_calls"]
     torch.testing.assert_close(y.float(), x.float(), atol=0.2, rtol=0.1)
-    with pytest.raises(ValueError, match="x must be bfloat16"):  # Python's checks, before any call
+    with pytest.raises(ValueError, match="x must be torch.bfloat16"):  # Python's checks, before any call
         kernels.fp8_comm_per_token_quant(x.float())
 
 

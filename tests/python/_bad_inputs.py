@@ -1,0 +1,79 @@
+"""One table of bad inputs for every op, each with one defect and the value its error must name.
+
+Read by the client's fake tests (tests/python/test_client_fakes.py) and by the parity test
+(tests/python/test_client_parity.py), which also runs it, in a child process, through the kernel
+library's Meta kernels. Importing this module defines no op: only torch is imported.
+"""
+
+import torch
+
+BF16, FP8, F16, F32 = torch.bfloat16, torch.float8_e4m3fn, torch.float16, torch.float32
+
+
+def m(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _merge(po=(2, 3, 4, 8), pl=(2, 3, 4, 1), so=(2, 3, 4, 8), sl=(2, 3, 4, 1), dtypes=(BF16, F32, BF16, F32)):
+    shapes = (po, pl, so, sl)
+    return tuple(m(*s, dtype=d) for s, d in zip(shapes, dtypes))
+
+
+# (case id, "op" or "op.out", () -> (args, kwargs), the value the message names)
+CASES = [
+    ("merge-rank", "fused_merge_attn_states", lambda: (_merge(po=(2, 3, 8)), {}), "[2, 3, 8]"),
+    ("merge-lse-rank", "fused_merge_attn_states", lambda: (_merge(sl=(2, 3, 4)), {}), "[2, 3, 4]"),
+    ("merge-dtype", "fused_merge_attn_states", lambda: (_merge(dtypes=(torch.float64, F32, BF16, F32)), {}),
+     "torch.float64"),
+    ("merge-lse-dtype", "fused_merge_attn_states", lambda: (_merge(dtypes=(BF16, torch.int32, BF16, F32)), {}),
+     "torch.int32"),
+    ("merge-shape", "fused_merge_attn_states", lambda: (_merge(so=(2, 3, 4, 9)), {}), "[2, 3, 4, 9]"),
+    ("merge-lse-shape", "fused_merge_attn_states", lambda: (_merge(pl=(2, 3, 4, 2)), {}), "[2, 3, 4, 2]"),
+    ("merge-head-dim", "fused_merge_attn_states", lambda: (_merge(po=(2, 3, 4, 0), so=(2, 3, 4, 0)), {}),
+     "[2, 3, 4, 0]"),
+    ("merge-stride", "fused_merge_attn_states",
+     lambda: ((m(2, 3, 8, 4).transpose(2, 3), m(2, 3, 4, 1, dtype=F32), m(2, 3, 4, 8), m(2, 3, 4, 1, dtype=F32)),
+              {}), "[96, 32, 1, 4]"),
+    ("merge-out-shape", "fused_merge_attn_states.out",
+     lambda: (_merge(), {"out": m(2, 3, 4, 7), "lse": m(2, 3, 4, 1, dtype=F32)}), "[2, 3, 4, 7]"),
+    ("merge-lse-out-dtype", "fused_merge_attn_states.out",
+     lambda: (_merge(), {"out": m(2, 3, 4, 8), "lse": m(2, 3, 4, 1, dtype=F16)}), "torch.float16"),
+    ("merge-out-strides", "fused_merge_attn_states.out",
+     lambda: (_merge(), {"out": m(2, 3, 8, 4).transpose(2, 3), "lse": m(2, 3, 4, 1, dtype=F32)}), "[96, 32, 1, 4]"),
+    ("ptq-dtype", "fp8_comm_per_token_quant", lambda: ((m(4, 8, dtype=F16),), {}), "torch.float16"),
+    ("ptq-rank", "fp8_comm_per_token_quant", lambda: ((torch.empty((), dtype=BF16, device="meta"),), {}), "[]"),
+    ("ptq-d", "fp8_comm_per_token_quant", lambda: ((m(4, 0),), {}), "[4, 0]"),
+    ("ptq-strides", "fp8_comm_per_token_quant", lambda: ((m(8, 4).t(),), {}), "[1, 4]"),
+    ("ptq-out-shape", "fp8_comm_per_token_quant.out", lambda: ((m(4, 8),), {"out": m(4, 9, dtype=FP8)}), "[4, 9]"),
+    ("ptq-out-dtype", "fp8_comm_per_token_quant.out", lambda: ((m(4, 8),), {"out": m(4, 10)}), "torch.bfloat16"),
+    ("ptd-dtype", "fp8_comm_per_token_dequant", lambda: ((m(4, 10),), {}), "torch.bfloat16"),
+    ("ptd-d", "fp8_comm_per_token_dequant", lambda: ((m(4, 2, dtype=FP8),), {}), "[4, 2]"),
+    ("ptd-strides", "fp8_comm_per_token_dequant", lambda: ((m(10, 4, dtype=FP8).t(),), {}), "[1, 4]"),
+    ("ptd-out-dtype", "fp8_comm_per_token_dequant.out", lambda: ((m(4, 10, dtype=FP8),), {"out": m(4, 8, dtype=F16)}),
+     "torch.float16"),
+    ("qkvq-rank", "fp8_comm_qkv_permute_quant", lambda: ((m(2, 3, 4, 8),), {}), "[2, 3, 4, 8]"),
+    ("qkvq-dtype", "fp8_comm_qkv_permute_quant", lambda: ((m(2, 3, 4, 8, 16, dtype=F32),), {}), "torch.float32"),
+    ("qkvq-block", "fp8_comm_qkv_permute_quant", lambda: ((m(2, 3, 4, 16, 8).transpose(3, 4),), {}),
+     "[1536, 512, 128, 1, 8]"),
+    ("qkvq-d", "fp8_comm_qkv_permute_quant", lambda: ((m(2, 3, 4, 8, 0),), {}), "[2, 3, 4, 8, 0]"),
+    ("qkvq-out-shape", "fp8_comm_qkv_permute_quant.out",
+     lambda: ((m(2, 3, 4, 5, 8),), {"out": m(4, 3, 2, 5, 8, dtype=FP8)}), "[4, 3, 2, 5, 8]"),
+    ("qkvd-rank", "fp8_comm_qkv_permute_dequant", lambda: ((m(3, 2, 4, 8, 12, dtype=FP8),), {}), "[3, 2, 4, 8, 12]"),
+    ("qkvd-d", "fp8_comm_qkv_permute_dequant", lambda: ((m(3, 2, 4, 4, dtype=FP8),), {}), "[3, 2, 4, 4]"),
+    ("qkvd-dtype", "fp8_comm_qkv_permute_dequant", lambda: ((m(3, 2, 4, 12),), {}), "torch.bfloat16"),
+    ("qkvd-strides", "fp8_comm_qkv_permute_dequant", lambda: ((m(2, 3, 4, 12, dtype=FP8).transpose(0, 1),), {}),
+     "[48, 144, 12, 1]"),
+]
+
+
+def run(ops, case):
+    """Runs one case through ``torch.ops.cache_dit_cuda_ops`` (``ops``): (exception type name, message)."""
+    _, full, build, _ = case
+    name, _, overload = full.partition(".")
+    fn = getattr(getattr(ops, name), overload or "default")
+    args, kwargs = build()
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001  (the type is what is compared)
+        return type(e).__name__, str(e).split("\n")[0]
+    return None, None
