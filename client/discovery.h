@@ -1,7 +1,7 @@
 // File: client/discovery.h
 //
 // Finding the daemon that serves a GPU. The daemon picks its own runtime dir
-// and binds `<GPU-UUID>.sock` there (DESIGN.md section 4); a client never
+// and binds `<GPU-UUID>.sock` there (docs/DESIGN.md section 4); a client never
 // applies that rule itself. It looks for an existing socket, in this order:
 //
 //   1. CACHE_DIT_OPD_ADDRESS   overrides everything: a socket path or a

@@ -1,6 +1,6 @@
 // File: client/opd_client.h
 //
-// The C++ client of the cache-dit-opd operator daemon (DESIGN.md sections 1,
+// The C++ client of the cache-dit-opd operator daemon (docs/DESIGN.md sections 1,
 // 4 and 5). A Client talks to the one daemon that serves a CUDA device of
 // this process: it finds the daemon by the GPU's UUID, opens a session
 // (token, op catalog, shared-memory lane semaphores bound over the session

@@ -132,7 +132,7 @@ function(cache_dit_resolve_families archs)
   endif()
 
   if(NOT svdq_req STREQUAL "OFF" AND NOT svdq_req STREQUAL "FALSE" AND NOT svdq_req STREQUAL "0")
-    # Per target, what the W4A4 family would run (DESIGN.md section 8). No
+    # Per target, what the W4A4 family would run (docs/DESIGN.md section 8). No
     # target is dropped without saying so.
     set(svdq_archs "")
     foreach(a IN LISTS archs)

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference semantics of every op in ``kernels/``.
 
-The executable form of DESIGN.md section 3: the GPU tests compare the CUDA
+The executable form of docs/DESIGN.md section 3: the GPU tests compare the CUDA
 kernels against these functions (bit for bit where the math is exact, within a
 stated bound for the merge), and the benchmarks time them as the "PyTorch
 reference" baseline. Plain torch only; works on any device.

@@ -25,7 +25,7 @@ namespace cache_dit_opd {
 struct Options {
   int device = 0;                        // --device: CUDA ordinal in the daemon's process
   std::string socket;                    // --socket: gRPC socket path; "" = <runtime dir>/<GPU-UUID>.sock
-  std::string runtime_dir;               // --runtime-dir: overrides the runtime-dir rule (DESIGN.md section 4)
+  std::string runtime_dir;               // --runtime-dir: overrides the runtime-dir rule (docs/DESIGN.md section 4)
   std::string log_level = "info";        // --log-level: trace, debug, info, warn, error, critical, off
   uint32_t max_sessions = 64;            // --max-sessions: open sessions at once
   uint32_t max_lanes = 16;               // --max-lanes: lanes per session

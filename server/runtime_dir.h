@@ -1,6 +1,6 @@
 // File: server/runtime_dir.h
 //
-// Where the daemon's sockets live (DESIGN.md section 4) and how a socket path
+// Where the daemon's sockets live (docs/DESIGN.md section 4) and how a socket path
 // is claimed safely.
 //
 // Runtime dir, first that applies: --runtime-dir; $CACHE_DIT_OPD_RUNTIME_DIR;

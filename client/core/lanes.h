@@ -1,6 +1,6 @@
 // File: client/core/lanes.h
 //
-// Lanes: the per-stream ordering channels of a session (DESIGN.md section 1).
+// Lanes: the per-stream ordering channels of a session (docs/DESIGN.md section 1).
 // Each client stream that makes calls is bound to one lane; a lane carries
 // two monotonic 64-bit timeline semaphores in the session's shared memory:
 //

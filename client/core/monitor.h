@@ -4,7 +4,7 @@
 // channel and daemon process, and owns the shared memory of sessions that
 // have ended.
 //
-// Releasing waits from the host (DESIGN.md section 5: no stream waits
+// Releasing waits from the host (docs/DESIGN.md section 5: no stream waits
 // forever). The client always enqueues a call's "done" wait, even when the
 // RPC failed, because the daemon may have received the call and may still
 // write its outputs. Who releases such waits:

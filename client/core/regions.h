@@ -2,7 +2,7 @@
 //
 // Regions: a region is one client allocation (a cudaMalloc block, e.g. a
 // caching-allocator segment) that the session exported once with a legacy
-// CUDA IPC handle and the daemon mapped (DESIGN.md sections 1 and 5). A
+// CUDA IPC handle and the daemon mapped (docs/DESIGN.md sections 1 and 5). A
 // tensor is then (region id, byte offset from the allocation base, sizes,
 // strides, dtype): its memory never moves.
 //

@@ -10,7 +10,7 @@
 // ForgetRegion), checks the op catalog (SetOp) and turns rejections into
 // exceptions. Everything a call does after its arguments are known runs
 // here: lane, inputs_ready, record, doorbell, completion, wait on done.
-// Ordering and lifetime rules are DESIGN.md section 1's, unchanged: the
+// Ordering and lifetime rules are docs/DESIGN.md section 1's, unchanged: the
 // lanes are client/core/lanes.h's LaneTable (streams share lanes behind fence
 // events), the ring is client/core/ring_producer.h's protocol.
 //

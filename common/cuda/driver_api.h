@@ -4,7 +4,7 @@
 // run time through cudaGetDriverEntryPointByVersion so that no binary links
 // libcuda: on a machine without a driver the daemon still loads, answers
 // GetVersion and reports NOT_SERVING, and a client program still loads
-// (DESIGN.md section 5). Target opd_cuda_driver.
+// (docs/DESIGN.md section 5). Target opd_cuda_driver.
 //
 // Versions are pinned: the stream memory operations are requested at 12000,
 // which resolves to the _v2 entry points (cuStreamWriteValue64_v2 /

@@ -1,7 +1,7 @@
 // fused_merge_attn_states: merge two partial attention results by their
 // log-sum-exp, one (b, s, h) row of D values at a time.
 //
-// Math per row, in fp32 (DESIGN.md section 3): an LSE of +inf means "empty"
+// Math per row, in fp32 (docs/DESIGN.md section 3): an LSE of +inf means "empty"
 // and is treated as -inf; m = max(p, s) (NaN-propagating); if m == -inf both
 // sides are empty: out = prev row, lse = -inf. Otherwise wp = exp(p - m),
 // ws = exp(s - m), out = (wp P + ws S) / (wp + ws), lse = m + log(wp + ws).

@@ -2,7 +2,7 @@
 
 ``cache_dit_cuda_ops::fused_merge_attn_states`` combines two partial attention
 results over disjoint key sets (e.g. a cached prefix and a fresh suffix) from
-their outputs and log-sum-exps. Semantics: DESIGN.md section 3 ("attn").
+their outputs and log-sum-exps. Semantics: docs/DESIGN.md section 3 ("attn").
 
 Layout of this module (same order in every domain module): daemon-connection
 accessors, validation, torch.library definitions, the CUDA impl that forwards

@@ -2,7 +2,7 @@
 
 Four ops pack bf16 activations into float8_e4m3fn records with their scales
 (for Ulysses all-to-all and other collectives) and unpack them again. Byte
-formats and math: DESIGN.md section 3 ("comm"); records are byte-compatible
+formats and math: docs/DESIGN.md section 3 ("comm"); records are byte-compatible
 with upstream cache-dit's.
 
 Layout of this module (same order in every domain module): daemon-connection

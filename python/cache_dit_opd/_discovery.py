@@ -3,7 +3,7 @@
 The daemon is identified by the GPU's UUID, never by an ordinal: ordinals
 change under ``CUDA_VISIBLE_DEVICES``, UUIDs do not. The client never applies
 the daemon's runtime-dir rule; it looks for an existing ``<GPU-UUID>.sock``
-in a fixed order (DESIGN.md section 4), and ``CACHE_DIT_OPD_ADDRESS``
+in a fixed order (docs/DESIGN.md section 4), and ``CACHE_DIT_OPD_ADDRESS``
 overrides the lookup.
 """
 

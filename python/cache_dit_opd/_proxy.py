@@ -1,7 +1,7 @@
 """Defining proxy ops in ``cache_dit_cuda_ops`` beside other owners of the namespace.
 
 Each domain module defines its own ops with these helpers; nothing here lists
-ops. Rules (DESIGN.md section 6):
+ops. Rules (docs/DESIGN.md section 6):
 
 * op not defined yet: define it (tagged ``cudagraph_unsafe``) and attach the
   proxy CUDA impl and the fake;

@@ -3,7 +3,7 @@
 // RegionOpener (server/device/region_opener.h) with legacy CUDA IPC:
 // cudaIpcOpenMemHandle on the daemon's device (cudaIpcMemLazyEnablePeerAccess),
 // a check that the memory really lives on that device (a handle opens only on
-// the daemon's own GPU, DESIGN.md section 5), and the allocation size read
+// the daemon's own GPU, docs/DESIGN.md section 5), and the allocation size read
 // back with cuMemGetAddressRange.
 //
 // CUDA lets one process open a given handle only once, so mappings are

@@ -7,7 +7,7 @@
 // completes every call. A ring record too malformed to decode still names
 // its lane and seq: SubmitRejected keeps that seq's "done" in order.
 //
-// Ordering (DESIGN.md section 1):
+// Ordering (docs/DESIGN.md section 1):
 //   - Each session lane has its own daemon stream; calls on a lane run in
 //     seq order. Submit accepts only seq == previous + 1 (first is 1);
 //     anything else is INVALID_ARGUMENT naming the expected and the received

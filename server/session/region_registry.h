@@ -3,7 +3,7 @@
 // One session's mapped regions (client allocations opened from their CUDA IPC
 // handles). Modeled on Triton's shared_memory_manager (bounds, pinning,
 // deferred unregister) with the daemon's GPU-ordered lifetime rule
-// (DESIGN.md section 5): a region is released (unregister, LRU eviction,
+// (docs/DESIGN.md section 5): a region is released (unregister, LRU eviction,
 // session end) only once every lane's "done" has passed the last call that
 // used it.
 //

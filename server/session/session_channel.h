@@ -1,6 +1,6 @@
 // File: server/session/session_channel.h
 //
-// The session channel (DESIGN.md section 1): a SOCK_SEQPACKET Unix socket
+// The session channel (docs/DESIGN.md section 1): a SOCK_SEQPACKET Unix socket
 // beside the gRPC socket, served by one dedicated thread with epoll, never by
 // gRPC threads.
 //

@@ -170,7 +170,7 @@ class RealDaemon:
                 self.kill()
 
 
-# -- reference math (DESIGN.md section 3), for tolerance checks -----------------------------------------
+# -- reference math (docs/DESIGN.md section 3), for tolerance checks -----------------------------------------
 
 
 def ref_merge(prev_out, prev_lse, suff_out, suff_lse):

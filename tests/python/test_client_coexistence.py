@@ -1,4 +1,4 @@
-"""Coexistence with other owners of cache_dit_cuda_ops (DESIGN.md section 6).
+"""Coexistence with other owners of cache_dit_cuda_ops (docs/DESIGN.md section 6).
 
 Each case runs in a fresh interpreter: a namespace's registrations cannot be
 undone within one process. "Upstream" is a stand-in package named cache_dit

@@ -1,4 +1,4 @@
-"""Finding the daemon by GPU UUID (DESIGN.md section 4)."""
+"""Finding the daemon by GPU UUID (docs/DESIGN.md section 4)."""
 
 import os
 

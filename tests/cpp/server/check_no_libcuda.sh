@@ -1,7 +1,7 @@
 #!/bin/sh
 # Fails when any binary given depends on libcuda.so (directly or through a
 # dependency): the daemon, its tests and the kernel library must load on
-# machines without a GPU driver (DESIGN.md section 5). `readelf -d` catches a
+# machines without a GPU driver (docs/DESIGN.md section 5). `readelf -d` catches a
 # direct NEEDED entry even where ldd cannot resolve it.
 status=0
 for bin in "$@"; do

@@ -1,7 +1,7 @@
 // File: tests/cpp/client/support/op_cases.h
 //
 // Deterministic inputs and output shapes for the ops of catalog v1
-// (DESIGN.md section 3), shared by the GPU tests, opd_ref_tool and the
+// (docs/DESIGN.md section 3), shared by the GPU tests, opd_ref_tool and the
 // latency benchmark. Plain C++ (no torch, no CUDA).
 //
 // Output shapes follow the schemas:
