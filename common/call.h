@@ -61,6 +61,11 @@ struct CallRequest {
   std::vector<Arg> args;  // every schema argument in order, including kwarg-only ones
   uint32_t lane = 0;      // the client's stream lane within the session
   uint64_t seq = 0;       // the lane's sequence number of this call (> 0, +1 per call)
+  // The daemon numbers the call itself, runs it without waiting for the
+  // lane's inputs_ready (the client synchronized its inputs), and answers
+  // once it has finished on the GPU (opd.proto CallRequest.host_ordered).
+  // seq is 0 then.
+  bool host_ordered = false;
 };
 
 // One entry of the op catalog a session is given at open (OpenSessionReply):

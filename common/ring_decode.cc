@@ -41,12 +41,12 @@ const char* KindName(uint32_t kind) {
 Status PayloadBytes(int index, uint32_t kind, uint32_t count, size_t* bytes) {
   switch (static_cast<RingArgKind>(kind)) {
     case RingArgKind::kNone:
-      if (count != 0) return Status::InvalidArgument("argument ", index, ": none count ", count, " is not 0");
+      if (count != 0) return Status::Rejected(Reason::kMalformed, "argument ", index, ": none count ", count, " is not 0");
       *bytes = 0;
       return Status::Ok();
     case RingArgKind::kTensor:
       if (count > static_cast<uint32_t>(kMaxTensorDims)) {
-        return Status::InvalidArgument("argument ", index, ": tensor ndim ", count, " exceeds ", kMaxTensorDims);
+        return Status::Rejected(Reason::kMalformed, "argument ", index, ": tensor ndim ", count, " exceeds ", kMaxTensorDims);
       }
       *bytes = kTensorFixedBytes + size_t{count} * 2 * sizeof(int64_t);
       return Status::Ok();
@@ -54,7 +54,7 @@ Status PayloadBytes(int index, uint32_t kind, uint32_t count, size_t* bytes) {
     case RingArgKind::kFloat:
     case RingArgKind::kBool:
       if (count != 1) {
-        return Status::InvalidArgument("argument ", index, ": ", KindName(kind), " count ", count, " is not 1");
+        return Status::Rejected(Reason::kMalformed, "argument ", index, ": ", KindName(kind), " count ", count, " is not 1");
       }
       *bytes = 8;
       return Status::Ok();
@@ -62,20 +62,20 @@ Status PayloadBytes(int index, uint32_t kind, uint32_t count, size_t* bytes) {
     case RingArgKind::kFloatList:
     case RingArgKind::kBoolList:
       if (count > static_cast<uint32_t>(kMaxListLength)) {
-        return Status::InvalidArgument("argument ", index, ": ", KindName(kind), " of ", count,
+        return Status::Rejected(Reason::kMalformed, "argument ", index, ": ", KindName(kind), " of ", count,
                                        " values exceeds ", kMaxListLength);
       }
       *bytes = size_t{count} * 8;
       return Status::Ok();
   }
-  return Status::InvalidArgument("argument ", index, ": unknown kind ", kind);
+  return Status::Rejected(Reason::kMalformed, "argument ", index, ": unknown kind ", kind);
 }
 
 Status ReadBool(int index, int element, const uint8_t* p, bool* out) {
   const int64_t v = Load<int64_t>(p);
   if (v != 0 && v != 1) {
-    if (element < 0) return Status::InvalidArgument("argument ", index, ": bool value ", v, " is not 0 or 1");
-    return Status::InvalidArgument("argument ", index, ": bool_list value ", v, " at index ", element,
+    if (element < 0) return Status::Rejected(Reason::kMalformed, "argument ", index, ": bool value ", v, " is not 0 or 1");
+    return Status::Rejected(Reason::kMalformed, "argument ", index, ": bool_list value ", v, " at index ", element,
                                    " is not 0 or 1");
   }
   *out = v == 1;
@@ -95,7 +95,7 @@ Status DecodeArg(int index, uint32_t kind, uint32_t count, const uint8_t* p, Arg
       const int32_t dtype = Load<int32_t>(p + 16);
       // p + 20: pad, ignored.
       if (!IsWireDType(dtype)) {
-        return Status::InvalidArgument("argument ", index, ": dtype ", dtype, " is not a protocol v1 dtype");
+        return Status::Rejected(Reason::kMalformed, "argument ", index, ": dtype ", dtype, " is not a protocol v1 dtype");
       }
       t.dtype = static_cast<DType>(dtype);
       const uint8_t* sizes = p + kTensorFixedBytes;
@@ -144,14 +144,14 @@ Status DecodeArg(int index, uint32_t kind, uint32_t count, const uint8_t* p, Arg
       return Status::Ok();
     }
   }
-  return Status::InvalidArgument("argument ", index, ": unknown kind ", kind);
+  return Status::Rejected(Reason::kMalformed, "argument ", index, ": unknown kind ", kind);
 }
 
 Status Decode(const uint8_t* bytes, size_t n, const std::vector<OpInfo>& catalog, CallRequest* out,
               RecordIds* ids) {
   constexpr size_t kHeader = sizeof(v1::RecordHeader);
   if (bytes == nullptr || n < kHeader) {
-    return Status::InvalidArgument("record is ", bytes == nullptr ? 0 : n, " bytes, shorter than its ", kHeader,
+    return Status::Rejected(Reason::kMalformed, "record is ", bytes == nullptr ? 0 : n, " bytes, shorter than its ", kHeader,
                                    "-byte header");
   }
   const v1::RecordHeader h = Load<v1::RecordHeader>(bytes);  // read once
@@ -159,27 +159,27 @@ Status Decode(const uint8_t* bytes, size_t n, const std::vector<OpInfo>& catalog
   ids->lane = h.lane;
   ids->seq = h.seq;
   if (h.magic != v1::kRecordMagic) {
-    return Status::InvalidArgument("record magic 0x", std::hex, h.magic, " is not 0x", v1::kRecordMagic);
+    return Status::Rejected(Reason::kMalformed, "record magic 0x", std::hex, h.magic, " is not 0x", v1::kRecordMagic);
   }
   ids->header_usable = true;
   if (h.record_bytes < kHeader) {
-    return Status::InvalidArgument("record_bytes ", h.record_bytes, " is less than the ", kHeader, "-byte header");
+    return Status::Rejected(Reason::kMalformed, "record_bytes ", h.record_bytes, " is less than the ", kHeader, "-byte header");
   }
   if (h.record_bytes > v1::kSlotBytes) {
-    return Status::InvalidArgument("record_bytes ", h.record_bytes, " exceeds the ", v1::kSlotBytes,
+    return Status::Rejected(Reason::kMalformed, "record_bytes ", h.record_bytes, " exceeds the ", v1::kSlotBytes,
                                    "-byte slot");
   }
   if (h.record_bytes % 8 != 0) {
-    return Status::InvalidArgument("record_bytes ", h.record_bytes, " is not a multiple of 8");
+    return Status::Rejected(Reason::kMalformed, "record_bytes ", h.record_bytes, " is not a multiple of 8");
   }
   if (h.record_bytes > n) {
-    return Status::InvalidArgument("record_bytes ", h.record_bytes, " exceeds the ", n, " bytes given");
+    return Status::Rejected(Reason::kMalformed, "record_bytes ", h.record_bytes, " exceeds the ", n, " bytes given");
   }
   if (h.nargs > static_cast<uint32_t>(kMaxArgs)) {
-    return Status::InvalidArgument("nargs ", h.nargs, " exceeds ", kMaxArgs);
+    return Status::Rejected(Reason::kMalformed, "nargs ", h.nargs, " exceeds ", kMaxArgs);
   }
   if (h.op_index >= catalog.size()) {
-    return Status::InvalidArgument("op_index ", h.op_index, " is out of range: the catalog has ", catalog.size(),
+    return Status::Rejected(Reason::kMalformed, "op_index ", h.op_index, " is out of range: the catalog has ", catalog.size(),
                                    " op(s)");
   }
   const size_t end = h.record_bytes;  // <= kSlotBytes: no sum below can overflow
@@ -188,14 +188,14 @@ Status Decode(const uint8_t* bytes, size_t n, const std::vector<OpInfo>& catalog
   for (uint32_t i = 0; i < h.nargs; ++i) {
     const int index = static_cast<int>(i);
     if (end - at < sizeof(v1::RingArgHeader)) {
-      return Status::InvalidArgument("argument ", index, ": header at byte ", at, " runs past record_bytes ", end);
+      return Status::Rejected(Reason::kMalformed, "argument ", index, ": header at byte ", at, " runs past record_bytes ", end);
     }
     const v1::RingArgHeader ah = Load<v1::RingArgHeader>(bytes + at);
     at += sizeof(v1::RingArgHeader);
     size_t payload = 0;
     OPD_RETURN_IF_ERROR(PayloadBytes(index, ah.kind, ah.count, &payload));
     if (end - at < payload) {
-      return Status::InvalidArgument("argument ", index, ": ", KindName(ah.kind), " payload of ", payload,
+      return Status::Rejected(Reason::kMalformed, "argument ", index, ": ", KindName(ah.kind), " payload of ", payload,
                                      " bytes at byte ", at, " runs past record_bytes ", end);
     }
     Arg arg;
@@ -204,7 +204,7 @@ Status Decode(const uint8_t* bytes, size_t n, const std::vector<OpInfo>& catalog
     at += payload;
   }
   if (at != end) {
-    return Status::InvalidArgument("arguments end at byte ", at, " but record_bytes is ", end);
+    return Status::Rejected(Reason::kMalformed, "arguments end at byte ", at, " but record_bytes is ", end);
   }
   out->op = catalog[h.op_index].name;
   out->overload = catalog[h.op_index].overload;

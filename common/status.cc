@@ -23,9 +23,51 @@ const char* StatusCodeName(StatusCode code) {
   return "UNKNOWN";
 }
 
+std::string ReasonName(Reason reason) {
+  switch (reason) {
+    case Reason::kUnspecified: return "UNSPECIFIED";
+#define CACHE_DIT_OPD_X(e, v, proto, code, action) \
+  case Reason::e: return #proto;
+    CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+  }
+  return "REASON(" + std::to_string(static_cast<uint32_t>(reason)) + ")";
+}
+
+StatusCode ReasonCode(Reason reason) {
+  switch (reason) {
+    case Reason::kUnspecified: return StatusCode::kUnknown;
+#define CACHE_DIT_OPD_X(e, v, proto, code, action) \
+  case Reason::e: return static_cast<StatusCode>(code);
+    CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+  }
+  return StatusCode::kUnknown;
+}
+
+namespace {
+// Reason values run 1, 2, ... in table order, so a received value is valid
+// exactly when it is below kReasonCount.
+constexpr bool ReasonsAreDense() {
+  uint32_t next = 1;
+#define CACHE_DIT_OPD_X(e, v, proto, code, action) \
+  if (v != next++) return false;
+  CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+  return next == v1::kReasonCount;
+}
+static_assert(ReasonsAreDense());
+}  // namespace
+
+Reason ReasonFromWire(uint32_t value) {
+  return value < v1::kReasonCount ? static_cast<Reason>(value) : Reason::kUnspecified;
+}
+
 std::string Status::ToString() const {
   if (ok()) return "OK";
-  return std::string(StatusCodeName(code_)) + ": " + message_;
+  std::string s = StatusCodeName(code_);
+  if (reason_ != Reason::kUnspecified) s += " [" + ReasonName(reason_) + "]";
+  return s + ": " + message_;
 }
 
 }  // namespace cache_dit_opd

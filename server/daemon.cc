@@ -17,7 +17,7 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
       catalog_(std::move(catalog)),
       deps_(deps),
       session_socket_(std::move(session_socket)) {
-  serving_ = not_serving_reason.empty();
+  health_ = not_serving_reason.empty() ? Health::kServing : Health::kNoDevice;
   not_serving_reason_ = std::move(not_serving_reason);
 
   reaper_ = std::make_unique<Reaper>();
@@ -55,7 +55,7 @@ VersionInfo Daemon::Version() const {
   v.protocol_version = v1::kProtocolVersion;
   v.layout_version = v1::kLayoutVersion;
   std::lock_guard<std::mutex> lock(mu_);
-  v.serving = serving_;
+  v.serving = health_ == Health::kServing;
   v.not_serving_reason = not_serving_reason_;
   v.ring_available = options_.ring;
   return v;
@@ -63,7 +63,22 @@ VersionInfo Daemon::Version() const {
 
 bool Daemon::serving() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return serving_;
+  return health_ == Health::kServing;
+}
+
+Daemon::Health Daemon::health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return health_;
+}
+
+Status Daemon::NotServingLocked() const {
+  switch (health_) {
+    case Health::kServing: return Status::Ok();
+    case Health::kNoDevice: return Status::Rejected(Reason::kNotServing, not_serving_reason_);
+    case Health::kDraining: return Status::Rejected(Reason::kDraining, not_serving_reason_);
+    case Health::kDeviceLost: return Status::Rejected(Reason::kDeviceLost, not_serving_reason_);
+  }
+  return Status::Rejected(Reason::kInternal, "unknown health state");
 }
 
 std::string Daemon::not_serving_reason() const {
@@ -76,15 +91,13 @@ void Daemon::SetHealthListener(std::function<void(bool)> listener) {
   health_listener_ = std::move(listener);
 }
 
-void Daemon::SetNotServing(const std::string& reason) {
+void Daemon::SetNotServing(Health health, const std::string& reason) {
   std::function<void(bool)> listener;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!serving_ && !not_serving_reason_.empty()) {
-      // Keep the first reason (a sticky error outranks "draining").
-      if (not_serving_reason_.rfind("sticky", 0) == 0) return;
-    }
-    serving_ = false;
+    // A lost device outranks draining: keep saying why the daemon will exit 1.
+    if (health_ == Health::kDeviceLost) return;
+    health_ = health;
     not_serving_reason_ = reason;
     listener = health_listener_;
   }
@@ -94,7 +107,7 @@ void Daemon::SetNotServing(const std::string& reason) {
 Status Daemon::OpenSession(const OpenSessionParams& params, OpenSessionResult* out) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!serving_) return Status::Unavailable(not_serving_reason_);
+    OPD_RETURN_IF_ERROR(NotServingLocked());
   }
   std::shared_ptr<Session> s;
   OPD_RETURN_IF_ERROR(sessions_->Open(params, &s));
@@ -122,11 +135,12 @@ void Daemon::RegisterRegion(uint64_t session_id, std::string_view token, std::st
   std::shared_ptr<Session> s;
   Status st = sessions_->Authorize(session_id, token, /*require_bound=*/true, &s);
   if (st.ok() && handle.size() != kIpcHandleBytes) {
-    st = Status::InvalidArgument("ipc_handle is ", handle.size(), " bytes, expected ", kIpcHandleBytes);
+    st = Status::Rejected(Reason::kBadArgument, "ipc_handle is ", handle.size(), " bytes, expected ",
+                          kIpcHandleBytes);
   }
   if (st.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (draining_) st = Status::Unavailable("the daemon is shutting down");
+    st = NotServingLocked();
   }
   if (!st.ok()) {
     done(st, RegionRegistry::Registered{});
@@ -143,7 +157,9 @@ void Daemon::RegisterRegion(uint64_t session_id, std::string_view token, std::st
     }
     done(rs, r);
   };
-  if (!reaper_->Post(task)) done(Status::Unavailable("the daemon is shutting down"), RegionRegistry::Registered{});
+  if (!reaper_->Post(task)) {
+    done(Status::Rejected(Reason::kDraining, "the daemon is shutting down"), RegionRegistry::Registered{});
+  }
 }
 
 Status Daemon::UnregisterRegion(uint64_t session_id, std::string_view token, uint64_t region_id, bool* deferred) {
@@ -158,9 +174,7 @@ Status Daemon::UnregisterRegion(uint64_t session_id, std::string_view token, uin
 void Daemon::Call(uint64_t session_id, std::string_view token, CallRequest req, Executor::Completion done) {
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!serving_ || draining_) {
-      Status st = Status::Unavailable(not_serving_reason_.empty() ? "the daemon is shutting down"
-                                                                  : not_serving_reason_);
+    if (Status st = NotServingLocked(); !st.ok()) {
       lock.unlock();
       stats_.errors.fetch_add(1, std::memory_order_relaxed);
       done(st);
@@ -182,7 +196,7 @@ void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t 
   bool refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    refused = !serving_ || draining_;
+    refused = health_ != Health::kServing;
   }
   std::shared_ptr<Session> s;
   if (!refused) refused = !sessions_->Authorize(session_id, token, /*require_bound=*/true, &s).ok();
@@ -315,9 +329,10 @@ void Daemon::OnFatal(const Status& status) {
     fatal_ = true;
   }
   spdlog::critical("{}; failing every session, exiting for a restart", status.message());
-  SetNotServing(status.message().rfind("sticky", 0) == 0 ? status.message() : "sticky CUDA error: " + status.message());
-  sessions_->StopAccepting(status.message());
-  sessions_->EndAll(status);
+  SetNotServing(Health::kDeviceLost, status.message());
+  const Status lost = Status::Rejected(Reason::kDeviceLost, status.message());
+  sessions_->StopAccepting(lost);
+  sessions_->EndAll(lost);
   RequestShutdown(1, status.message());
 }
 
@@ -345,11 +360,11 @@ void Daemon::Drain() {
   bool fatal;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    draining_ = true;
     fatal = fatal_;
   }
-  SetNotServing("draining: the daemon is shutting down");
-  sessions_->StopAccepting("the daemon is shutting down");
+  const Status draining = Status::Rejected(Reason::kDraining, "the daemon is shutting down");
+  SetNotServing(Health::kDraining, "draining: the daemon is shutting down");
+  sessions_->StopAccepting(draining);
   channel_->StopAccepting();
 
   // Most of the budget goes to queued calls; the rest to the lanes' last
@@ -365,7 +380,7 @@ void Daemon::Drain() {
       spdlog::warn("drain deadline: dropping {} call(s) still waiting for their inputs", left);
     }
   }
-  sessions_->EndAll(Status::Unavailable("the daemon is shutting down"));
+  sessions_->EndAll(draining);
   {
     std::unique_lock<std::mutex> lock(mu_);
     fatal = fatal_;

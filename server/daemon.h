@@ -150,6 +150,10 @@ class Daemon {
   Status GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const;
 
   // --- health and lifecycle ---
+  // Why the daemon does or does not serve: one state, never read from a
+  // message. A lost device outranks draining.
+  enum class Health { kServing, kNoDevice, kDraining, kDeviceLost };
+  Health health() const;
   bool serving() const;
   std::string not_serving_reason() const;
   // Called with the new serving state whenever it changes (gRPC health).
@@ -175,7 +179,9 @@ class Daemon {
   Reaper& reaper() { return *reaper_; }
 
  private:
-  void SetNotServing(const std::string& reason);
+  void SetNotServing(Health health, const std::string& reason);
+  // OK while serving, else the rejection of the current state (under mu_).
+  Status NotServingLocked() const;
   void OnSessionBound(const std::shared_ptr<Session>& session);
   void OnSessionEnd(const std::shared_ptr<Session>& session, const Status& reason);
   void StopRings();
@@ -197,9 +203,8 @@ class Daemon {
   std::condition_variable shutdown_cv_;
   std::condition_variable ending_cv_;
   uint64_t ending_ = 0;                    // guarded by mu_: sessions ended, not yet released
-  bool serving_ = false;                   // guarded by mu_
-  std::string not_serving_reason_;         // guarded by mu_
-  bool draining_ = false;                  // guarded by mu_
+  Health health_ = Health::kNoDevice;      // guarded by mu_
+  std::string not_serving_reason_;         // guarded by mu_: for people (GetVersion, health)
   bool fatal_ = false;                     // guarded by mu_
   bool shutdown_requested_ = false;        // guarded by mu_
   int exit_code_ = 0;                      // guarded by mu_

@@ -166,9 +166,11 @@ void RingProducer::ReadLocked(Entry& e) {
   v1::CompletionRecord c;
   std::memcpy(&c, completion(e.ticket), sizeof(c));
   int32_t code = c.status_code;
+  uint32_t reason = c.reason;
   std::string message;
   if (c.ticket != e.ticket || (code == 0 && (c.lane != e.lane || c.seq != e.seq))) {
     code = kInternal;
+    reason = static_cast<uint32_t>(Reason::kInternal);
     message = "completion of ticket " + std::to_string(e.ticket) + " (lane " + std::to_string(e.lane) + ", seq " +
               std::to_string(e.seq) + ") echoes ticket " + std::to_string(c.ticket) + " (lane " +
               std::to_string(c.lane) + ", seq " + std::to_string(c.seq) + ")";
@@ -178,6 +180,7 @@ void RingProducer::ReadLocked(Entry& e) {
   e.answered = true;
   if (e.sync != nullptr) {
     e.sync->code = code;
+    e.sync->reason = reason;
     e.sync->message = std::move(message);
     e.sync->ready.store(true, std::memory_order_release);
     e.sync = nullptr;
@@ -188,6 +191,7 @@ void RingProducer::ReadLocked(Entry& e) {
     r.seq = e.seq;
     r.op_index = e.op_index;
     r.code = code;
+    r.reason = reason;
     r.message = std::move(message);
     r.regions.assign(e.regions, e.regions + e.nregions);
     rejected_.push_back(std::move(r));

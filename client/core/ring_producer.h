@@ -53,6 +53,7 @@ namespace cache_dit_opd::client {
 struct RingCompletion {
   std::atomic<bool> ready{false};
   int32_t code = 0;  // google.rpc.Code: 0 accepted
+  uint32_t reason = 0;  // wire.h Reason of a rejection
   std::string message;
 };
 
@@ -63,6 +64,7 @@ struct RejectedCall {
   uint64_t seq = 0;
   uint32_t op_index = 0;
   int32_t code = 0;
+  uint32_t reason = 0;  // wire.h Reason
   std::string message;
   std::vector<uint64_t> regions;  // what the caller passed to Publish
 };

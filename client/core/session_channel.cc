@@ -113,7 +113,8 @@ Status BindSession(int fd, uint64_t session_id, std::string_view token, int time
     const auto sc = (code > 0 && code <= static_cast<int>(StatusCode::kUnavailable))
                         ? static_cast<StatusCode>(code)
                         : StatusCode::kUnknown;
-    return Status(sc, "session bind refused by the daemon: " + std::string(reply.message, len));
+    return Status(sc, "session bind refused by the daemon: " + std::string(reply.message, len),
+                  ReasonFromWire(reply.reason));
   }
   if (reply.layout_version != v1::kLayoutVersion) {
     return Status::FailedPrecondition("daemon session memory layout version ", reply.layout_version,

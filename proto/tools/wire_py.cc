@@ -87,6 +87,21 @@ int main() {
   Const("MAX_TENSOR_DIMS", v1::kMaxTensorDims, "kMaxTensorDims");
   Const("MAX_ARGS", v1::kMaxArgs, "kMaxArgs");
   Const("MAX_LIST_LENGTH", v1::kMaxListLength, "kMaxListLength");
+  std::printf("# ClientAction: what a client does about an error (wire.h)\nACTIONS = {\n");
+#define CACHE_DIT_OPD_X(e, v, name) std::printf("    \"%s\": %d,\n", name, v);
+  CACHE_DIT_OPD_CLIENT_ACTIONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+  std::printf("}\n# Reason: name -> (value, google.rpc.Code, action)\nREASONS = {\n");
+#define CACHE_DIT_OPD_X(e, v, proto, code, action) \
+  std::printf("    \"%s\": (%d, %d, %u),\n", #proto, v, code, static_cast<unsigned>(v1::ClientAction::action));
+  CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+  std::printf("}\n# google.rpc.Code -> action, for an error without a reason (others: fail)\nCODE_ACTIONS = {\n");
+#define CACHE_DIT_OPD_X(code, action) \
+  std::printf("    %d: %u,\n", code, static_cast<unsigned>(v1::ClientAction::action));
+  CACHE_DIT_OPD_CODE_ACTIONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+  std::printf("}\nREASON_METADATA_KEY = \"%s\"  # kReasonMetadataKey\n", v1::kReasonMetadataKey);
 
   std::printf("\n# ---- session_memory.h\n");
   Const("PROTOCOL_VERSION", v1::kProtocolVersion, "kProtocolVersion");

@@ -38,10 +38,55 @@ DTYPE_COUNT = 12  # kDTypeCount: valid values are 1 .. DTYPE_COUNT - 1
 MAX_TENSOR_DIMS = 8  # kMaxTensorDims
 MAX_ARGS = 32  # kMaxArgs
 MAX_LIST_LENGTH = 64  # kMaxListLength
+# ClientAction: what a client does about an error (wire.h)
+ACTIONS = {
+    "raise_value": 1,
+    "raise": 2,
+    "reregister": 3,
+    "reconnect": 4,
+    "fail": 5,
+}
+# Reason: name -> (value, google.rpc.Code, action)
+REASONS = {
+    "BAD_ARGUMENT": (1, 3, 1),
+    "UNSUPPORTED": (2, 12, 2),
+    "OP_UNKNOWN": (3, 5, 2),
+    "REGION_UNKNOWN": (4, 5, 3),
+    "SESSION_UNKNOWN": (5, 5, 4),
+    "SESSION_ENDED": (6, 9, 4),
+    "SESSION_UNBOUND": (7, 9, 4),
+    "BAD_TOKEN": (8, 7, 4),
+    "LANE_SEQUENCE": (9, 3, 4),
+    "LANE_RANGE": (10, 3, 5),
+    "MALFORMED": (11, 3, 5),
+    "RESOURCE_EXHAUSTED": (12, 8, 2),
+    "PEER_REFUSED": (13, 7, 5),
+    "VERSION_MISMATCH": (14, 9, 5),
+    "WRONG_DEVICE": (15, 9, 5),
+    "NOT_SERVING": (16, 14, 5),
+    "DRAINING": (17, 14, 4),
+    "DEVICE_LOST": (18, 14, 4),
+    "BIND_TIMEOUT": (19, 4, 4),
+    "CLOSED": (20, 1, 4),
+    "INTERNAL": (21, 13, 5),
+}
+# google.rpc.Code -> action, for an error without a reason (others: fail)
+CODE_ACTIONS = {
+    1: 4,
+    2: 4,
+    3: 1,
+    4: 4,
+    8: 2,
+    10: 4,
+    11: 1,
+    12: 2,
+    14: 4,
+}
+REASON_METADATA_KEY = "cache-dit-opd-reason"  # kReasonMetadataKey
 
 # ---- session_memory.h
-PROTOCOL_VERSION = 1  # kProtocolVersion
-LAYOUT_VERSION = 1  # kLayoutVersion
+PROTOCOL_VERSION = 2  # kProtocolVersion
+LAYOUT_VERSION = 2  # kLayoutVersion
 SESSION_MEMORY_MAGIC = 0x504F4443  # kSessionMemoryMagic
 BIND_REQUEST_MAGIC = 0x444E4942  # kBindRequestMagic
 TOKEN_BYTES = 32  # kTokenBytes
@@ -62,7 +107,7 @@ BIND_REPLY_FIELDS = {
     "status_code": (0, "<i"),
     "layout_version": (4, "<I"),
     "shared_memory_bytes": (8, "<Q"),
-    "message": (16, "<256s"),
+    "message": (20, "<252s"),
 }
 
 # struct SessionMemoryHeader
@@ -89,7 +134,7 @@ LANE_FIELDS = {
 }
 
 # ---- ring.h
-RING_VERSION = 1  # kRingVersion
+RING_VERSION = 2  # kRingVersion
 RING_CONTROL_BYTES = 256  # kRingControlBytes
 SLOT_BYTES = 2048  # kSlotBytes
 COMPLETION_BYTES = 256  # kCompletionBytes
@@ -150,5 +195,5 @@ COMPLETION_FIELDS = {
     "seq": (16, "<Q"),
     "lane": (24, "<I"),
     "status_code": (28, "<i"),
-    "message": (32, "<224s"),
+    "message": (36, "<220s"),
 }

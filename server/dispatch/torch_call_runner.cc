@@ -279,11 +279,11 @@ class ArgDecoder {
   Status DecodeTensor(const c10::Argument& param, const TensorRef& ref, c10::IValue* out) {
     MappedRegion region;
     if (Status s = regions_.Resolve(ref.region_id, &region); !s.ok()) {
-      return Status(s.code(), Where(param) + ": " + s.message());
+      return s.Annotated(Where(param) + ": ");
     }
     const bool written = param.alias_info() != nullptr && param.alias_info()->isWrite();
     if (Status s = CheckView(ref, region, written); !s.ok()) {
-      return Status(s.code(), Where(param) + " " + s.message());
+      return s.Annotated(Where(param) + " ");
     }
     if (!meta_) {
       if (region.device < 0 || region.device > std::numeric_limits<c10::DeviceIndex>::max()) {
@@ -332,8 +332,8 @@ Status CheckWritesOnly(const c10::FunctionSchema& schema, const std::string& op_
   for (const c10::Argument& ret : schema.returns()) {
     const bool aliases_written = ret.alias_info() != nullptr && ret.alias_info()->isWrite();
     if (MentionsTensor(*ret.real_type()) && !aliases_written) {
-      return Status::InvalidArgument(op_name, " returns a new tensor; the daemon runs only ",
-                                     "overloads that write caller-owned tensors (such as .out)");
+      return Status::Rejected(Reason::kUnsupported, op_name, " returns a new tensor; the daemon runs only ",
+                              "overloads that write caller-owned tensors (such as .out)");
     }
   }
   return Status::Ok();
@@ -348,12 +348,12 @@ Status OpNotFound(const std::string& qualified, const std::string& overload) {
     }
   }
   if (overloads.empty()) {
-    return Status::NotFound("op ", qualified, " is not registered (is its library loaded?)");
+    return Status::Rejected(Reason::kOpUnknown, "op ", qualified, " is not registered (is its library loaded?)");
   }
   std::sort(overloads.begin(), overloads.end());
   std::string known;
   for (const std::string& o : overloads) known += (known.empty() ? "" : ", ") + o;
-  return Status::NotFound("op ", qualified, " has no overload ", Quoted(overload),
+  return Status::Rejected(Reason::kOpUnknown, "op ", qualified, " has no overload ", Quoted(overload),
                           " (registered: ", known, ")");
 }
 
@@ -364,6 +364,20 @@ Status CudaErrorStatus(const std::string& op_name, cudaError_t error, const char
   return Status::Internal(op_name, ": CUDA error ", cudaGetErrorName(error), " (",
                           static_cast<int>(error), "): ", what,
                           sticky ? " [sticky: the CUDA context is unusable]" : "");
+}
+
+// The reason each dispatch error carries (wire.h): the lookups keep theirs
+// (an unknown op; an unknown region, from the registry), every other refusal
+// of the schema decoding, the bounds checks or the op's own checks is about
+// the call's arguments; CUDA failures after a launch are the daemon's.
+Status Classified(Status s) {
+  if (s.ok() || s.reason() != Reason::kUnspecified) return s;
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument: return s.WithReason(Reason::kBadArgument);
+    case StatusCode::kUnimplemented: return s.WithReason(Reason::kUnsupported);
+    case StatusCode::kResourceExhausted: return s.WithReason(Reason::kResourceExhausted);
+    default: return s.WithReason(Reason::kInternal);
+  }
 }
 
 class PreparedCallImpl final : public PreparedCall {
@@ -492,6 +506,11 @@ Status TorchCallRunner::LoadOpLibrary(const std::string& path) {
 
 Status TorchCallRunner::Prepare(const CallRequest& req, const RegionResolver& regions,
                                 std::unique_ptr<PreparedCall>* out) {
+  return Classified(PrepareUnclassified(req, regions, out));
+}
+
+Status TorchCallRunner::PrepareUnclassified(const CallRequest& req, const RegionResolver& regions,
+                                            std::unique_ptr<PreparedCall>* out) {
   const bool meta = device_ == Device::kMeta;
   const std::string qualified = std::string(kNamespace) + "::" + req.op;
   std::optional<c10::OperatorHandle> op =
@@ -520,10 +539,12 @@ Status TorchCallRunner::Prepare(const CallRequest& req, const RegionResolver& re
 
 // Only this runner's Prepare makes the calls handed back to it (the
 // CallRunner contract), so the casts below are exact.
-Status TorchCallRunner::Validate(PreparedCall& call) { return static_cast<PreparedCallImpl&>(call).Validate(); }
+Status TorchCallRunner::Validate(PreparedCall& call) {
+  return Classified(static_cast<PreparedCallImpl&>(call).Validate());
+}
 
 Status TorchCallRunner::Run(PreparedCall& call, void* stream, bool* sticky) {
-  return static_cast<PreparedCallImpl&>(call).Run(static_cast<cudaStream_t>(stream), sticky);
+  return Classified(static_cast<PreparedCallImpl&>(call).Run(static_cast<cudaStream_t>(stream), sticky));
 }
 
 }  // namespace cache_dit_opd

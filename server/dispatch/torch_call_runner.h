@@ -49,10 +49,12 @@ class TorchCallRunner final : public CallRunner {
   // registrations run). INVALID_ARGUMENT with dlerror() text on failure.
   static Status LoadOpLibrary(const std::string& path);
 
-  // Steps 1-4. NOT_FOUND (unknown op/overload or region), INVALID_ARGUMENT
-  // (arity, types, dims, negative sizes/strides, overflow, view past the
-  // region end, non-contiguous written tensor, unknown dtype, an overload
-  // that returns a new tensor), each naming the argument and the value.
+  // Steps 1-4. Reasons: OP_UNKNOWN (op or overload), REGION_UNKNOWN (from
+  // `regions`), UNSUPPORTED (an overload that returns a new tensor, a schema
+  // type the daemon cannot decode), BAD_ARGUMENT (arity, types, dims,
+  // negative sizes/strides, overflow, view past the region end,
+  // non-contiguous written tensor, unknown dtype), each naming the argument
+  // and the value.
   Status Prepare(const CallRequest& req, const RegionResolver& regions,
                  std::unique_ptr<PreparedCall>* out) override;
 
@@ -68,6 +70,9 @@ class TorchCallRunner final : public CallRunner {
   Status Run(PreparedCall& call, void* stream, bool* sticky) override;
 
  private:
+  Status PrepareUnclassified(const CallRequest& req, const RegionResolver& regions,
+                             std::unique_ptr<PreparedCall>* out);
+
   const Device device_;
 };
 

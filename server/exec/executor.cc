@@ -52,7 +52,7 @@ void Executor::Stop() {
     commands.swap(commands_);
     pending_ = 0;
   }
-  for (Item& it : intake) it.done(Status::Unavailable("the daemon is shutting down"));
+  for (Item& it : intake) it.done(Status::Rejected(Reason::kDraining, "the daemon is shutting down"));
   for (Command& c : commands) {
     if (c.then) c.then();
   }
@@ -61,23 +61,32 @@ void Executor::Stop() {
 Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
   const uint32_t lane_index = item.req.lane;
   const uint64_t seq = item.req.seq;
+  const bool host_ordered = item.req.host_ordered;
   if (lane_index >= session->lane_count()) {
-    return Status::InvalidArgument("lane ", lane_index, " out of range: session ", session->id(), " has ",
+    return Status::Rejected(Reason::kLaneRange, "lane ", lane_index, " out of range: session ", session->id(), " has ",
                                    session->lane_count(), " lane(s)");
   }
-  if (seq == 0) return Status::InvalidArgument("lane ", lane_index, ": seq 0 is invalid (a lane's first seq is 1)");
+  if (host_ordered && seq != 0) {
+    return Status::Rejected(Reason::kMalformed, "lane ", lane_index, ": a host-ordered call takes its seq from the ",
+                            "daemon, got seq ", seq);
+  }
+  if (!host_ordered && seq == 0) {
+    return Status::Rejected(Reason::kLaneRange, "lane ", lane_index, ": seq 0 is invalid (a lane's first seq is 1)");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     Lane& lane = session->lane(lane_index);
     if (fatal_) return fatal_status_;
-    if (stop_) return Status::Unavailable("the daemon is shutting down");
+    if (stop_) return Status::Rejected(Reason::kDraining, "the daemon is shutting down");
     if (session->state() != SessionState::kBound) {
       return session->state() == SessionState::kClosed
-                 ? Status::FailedPrecondition("session ", session->id(), " has ended")
-                 : Status::FailedPrecondition("session ", session->id(), " is not bound yet");
+                 ? Status::Rejected(Reason::kSessionEnded, "session ", session->id(), " has ended")
+                 : Status::Rejected(Reason::kSessionUnbound, "session ", session->id(), " is not bound yet");
     }
-    if (seq != lane.next_seq) {
-      return Status::InvalidArgument("lane ", lane_index, ": expected seq ", lane.next_seq, ", got ", seq);
+    if (host_ordered) {
+      item.req.seq = lane.next_seq;
+    } else if (seq != lane.next_seq) {
+      return Status::Rejected(Reason::kLaneSequence, "lane ", lane_index, ": expected seq ", lane.next_seq, ", got ", seq);
     }
     ++lane.next_seq;
     intake_.push_back(std::move(item));
@@ -89,7 +98,7 @@ Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
 }
 
 void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done) {
-  Item item{session, std::move(req), std::move(done), Clock::now(), {}, nullptr, Status(), false};
+  Item item{session, std::move(req), std::move(done), Clock::now(), {}, nullptr, Status(), false, false};
   Status reject = Enqueue(session, item);
   if (!reject.ok()) {
     session->errors.fetch_add(1, std::memory_order_relaxed);
@@ -100,14 +109,14 @@ void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, 
 
 void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq, Status reason,
                               Completion done) {
-  if (reason.ok()) reason = Status::Internal("SubmitRejected without a reason");
+  if (reason.ok()) reason = Status::Rejected(Reason::kInternal, "SubmitRejected without a reason");
   CallRequest req;
   req.op = "(rejected by its transport)";
   req.lane = lane;
   req.seq = seq;
   // Answered now, on this thread: the verdict is already known. Queued as
   // answered, so at its turn Finish only writes "done" and counts the error.
-  Item item{session, std::move(req), [](const Status&) {}, Clock::now(), Clock::now(), nullptr, reason, true};
+  Item item{session, std::move(req), [](const Status&) {}, Clock::now(), Clock::now(), nullptr, reason, true, true};
   Status reject = Enqueue(session, item);
   if (!reject.ok()) {
     session->errors.fetch_add(1, std::memory_order_relaxed);
@@ -178,7 +187,7 @@ void Executor::Finish(LaneQueue& q, Item& item, Status status) {
                     w.message());
       if (status.ok()) status = w;
       if (sticky) {
-        status = Status::Unavailable("sticky CUDA error: ", w.message());
+        status = Status::Rejected(Reason::kDeviceLost, "sticky CUDA error: ", w.message());
         Fail(status);
       }
     }
@@ -202,7 +211,10 @@ void Executor::Finish(LaneQueue& q, Item& item, Status status) {
     std::lock_guard<std::mutex> lock(mu_);
     --pending_;
   }
-  if (!item.answered) {
+  if (!item.answered && item.req.host_ordered && status.ok()) {
+    // Answered once the lane stream has passed it (Answer()).
+    awaiting_.push_back(Awaiting{q.session, q.lane, seq, std::move(done)});
+  } else if (!item.answered) {
     done(status);
   } else if (!status.ok() && item.verdict.ok()) {
     spdlog::error("session {} lane {}: {} (seq {}) failed after it was accepted: {}", q.session->id(),
@@ -213,15 +225,43 @@ void Executor::Finish(LaneQueue& q, Item& item, Status status) {
 void Executor::Accept(LaneQueue& q, Item& item) {
   CallRegionResolver resolver(&q.session->regions(), q.lane->index, item.req.seq);
   Status s = runner_->Prepare(item.req, resolver, &item.prepared);
-  if (s.ok() && !item.prepared) s = Status::Internal("dispatch prepared nothing for ", item.req.op);
+  if (s.ok() && !item.prepared) s = Status::Rejected(Reason::kInternal, "dispatch prepared nothing for ", item.req.op);
   if (s.ok()) s = runner_->Validate(*item.prepared);
   if (!s.ok()) item.prepared.reset();
   item.verdict = s;
-  item.answered = true;
+  item.validated = true;
   item.answered_at = Clock::now();
   if (stats_) stats_->accept_us.Record(Micros(item.answered_at - item.received));
+  // A host-ordered call that passed is answered once it has run (Answer()).
+  if (item.req.host_ordered && s.ok()) return;
+  item.answered = true;
   Completion done = item.done;
   done(s);
+}
+
+bool Executor::Answer() {
+  bool progress = false;
+  for (auto it = awaiting_.begin(); it != awaiting_.end();) {
+    if (it->lane->Completed() >= it->seq) {
+      it->done(Status::Ok());
+      it = awaiting_.erase(it);
+      progress = true;
+    } else {
+      ++it;
+    }
+  }
+  return progress;
+}
+
+void Executor::DropAwaiting(const std::shared_ptr<Session>& session, const Status& reason) {
+  for (auto it = awaiting_.begin(); it != awaiting_.end();) {
+    if (session && it->session != session) {
+      ++it;
+      continue;
+    }
+    it->done(reason);
+    it = awaiting_.erase(it);
+  }
 }
 
 bool Executor::RunReady() {
@@ -239,7 +279,7 @@ bool Executor::RunReady() {
     Session& session = *q.session;
     if (!dead) {
       for (Item& item : q.items) {
-        if (!item.answered) {
+        if (!item.validated) {
           Accept(q, item);
           progress = true;
         }
@@ -259,13 +299,14 @@ bool Executor::RunReady() {
         progress = true;
         continue;
       }
-      // The host-side gate: never park a GPU wait on a client's value.
-      if (session.memory().InputsReady(lane.index) < item.req.seq) break;
+      // The host-side gate: never park a GPU wait on a client's value. A
+      // host-ordered call's inputs were ready before it was sent.
+      if (!item.req.host_ordered && session.memory().InputsReady(lane.index) < item.req.seq) break;
       const Clock::time_point run_start = Clock::now();
       bool sticky = false;
       Status s = runner_->Run(*item.prepared, lane.stream, &sticky);
       if (sticky) {
-        Status fatal = Status::Unavailable("sticky CUDA error in ", item.req.op, ": ", s.message());
+        Status fatal = Status::Rejected(Reason::kDeviceLost, "sticky CUDA error in ", item.req.op, ": ", s.message());
         Fail(fatal);
         dead = true;
         fatal_status = fatal;
@@ -313,7 +354,7 @@ void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reaso
       } else {
         spdlog::error("session {} lane {}: releasing done={} failed: {}", q.session->id(), lane.index, last,
                       w.message());
-        if (sticky) Fail(Status::Unavailable("sticky CUDA error: ", w.message()));
+        if (sticky) Fail(Status::Rejected(Reason::kDeviceLost, "sticky CUDA error: ", w.message()));
       }
     }
     size_t dropped = q.items.size();
@@ -341,7 +382,8 @@ void Executor::Loop() {
     // Spin without the lock while progress is recent and nothing is queued:
     // the next call of a busy client lands here instead of waking a
     // sleeping thread.
-    if (queues_.empty()) {
+    const bool idle = queues_.empty() && awaiting_.empty();
+    if (idle) {
       while (!news_.load(std::memory_order_acquire) && Clock::now() < spin_until) CpuRelax();
     }
     std::vector<Item> intake;
@@ -350,7 +392,7 @@ void Executor::Loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto has_news = [&] { return stop_ || !intake_.empty() || !commands_.empty(); };
-      if (queues_.empty()) {
+      if (idle) {
         cv_.wait(lock, has_news);
       } else if (waiting && Clock::now() >= spin_until) {
         cv_.wait_for(lock, backoff, has_news);
@@ -371,10 +413,13 @@ void Executor::Loop() {
     }
     for (Command& c : commands) {
       Drop(c.session, c.reason);
+      DropAwaiting(c.session, c.reason);
       if (c.then) c.then();
     }
     if (stopping) {
-      Drop(nullptr, Status::Unavailable("the daemon is shutting down"));
+      const Status stopped = Status::Rejected(Reason::kDraining, "the daemon is shutting down");
+      Drop(nullptr, stopped);
+      DropAwaiting(nullptr, stopped);
       std::vector<Command> late;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -387,11 +432,12 @@ void Executor::Loop() {
       return;
     }
 
-    if (RunReady()) {
+    const bool ran = RunReady();
+    if (Answer() || ran) {
       waiting = false;
       backoff = std::chrono::microseconds{0};
       spin_until = Clock::now() + options_.spin;
-    } else if (!queues_.empty()) {
+    } else if (!queues_.empty() || !awaiting_.empty()) {
       waiting = true;
       if (Clock::now() < spin_until) {
         CpuRelax();

@@ -135,7 +135,15 @@ class Executor {
     std::chrono::steady_clock::time_point answered_at;
     std::unique_ptr<PreparedCall> prepared;
     Status verdict;        // validation outcome; a rejected call only writes "done"
-    bool answered = false;  // `done` has run
+    bool validated = false;  // Accept has run
+    bool answered = false;   // `done` has run
+  };
+  // A host-ordered call that ran, answered once its lane stream passed it.
+  struct Awaiting {
+    std::shared_ptr<Session> session;
+    Lane* lane;
+    uint64_t seq;
+    Completion done;
   };
   struct LaneQueue {
     std::shared_ptr<Session> session;
@@ -159,6 +167,12 @@ class Executor {
   // Writes done = item's seq on the lane stream and completes the item.
   void Finish(LaneQueue& q, Item& item, Status status);
   void Drop(const std::shared_ptr<Session>& session, const Status& reason);
+  // Answers the host-ordered calls whose lane has completed them; returns
+  // whether any was answered.
+  bool Answer();
+  // Answers `session`'s (every session's, for null) waiting host-ordered
+  // calls with `reason`.
+  void DropAwaiting(const std::shared_ptr<Session>& session, const Status& reason);
   void Fail(const Status& status);
 
   DeviceOps* const device_;
@@ -182,6 +196,7 @@ class Executor {
   std::atomic<bool> news_{false};
 
   std::map<Lane*, LaneQueue> queues_;  // executor thread only
+  std::vector<Awaiting> awaiting_;     // executor thread only
   std::thread thread_;
 };
 

@@ -10,7 +10,7 @@ namespace {
 
 grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const Status& status) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
+  Finish(ctx, reactor, status);
   return reactor;
 }
 
@@ -46,13 +46,13 @@ grpc::ServerUnaryReactor* OperatorDaemonService::RegisterRegion(grpc::CallbackSe
                                                                 v1::RegisterRegionReply* reply) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   daemon_->RegisterRegion(request->session_id(), request->token(), request->ipc_handle(), request->size(),
-                          [reactor, reply](const Status& s, const RegionRegistry::Registered& r) {
+                          [ctx, reactor, reply](const Status& s, const RegionRegistry::Registered& r) {
                             if (s.ok()) {
                               reply->set_region_id(r.region_id);
                               reply->set_mapped_size(r.mapped_size);
                               reply->set_reused(r.reused);
                             }
-                            reactor->Finish(ToGrpcStatus(s));
+                            Finish(ctx, reactor, s);
                           });
   return reactor;
 }
@@ -71,7 +71,7 @@ grpc::ServerUnaryReactor* OperatorDaemonService::Call(grpc::CallbackServerContex
   CallRequest req;
   Status s = FromProto(*request, &req);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  auto finish = [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); };
+  auto finish = [ctx, reactor](const Status& st) { Finish(ctx, reactor, st); };
   if (!s.ok()) {
     // A malformed call still completes its seq in order when it is the
     // lane's next (same rule as a malformed ring record).

@@ -1,17 +1,22 @@
 // File: server/grpc/grpc_status.h
 //
-// The one place where the daemon's Status becomes a grpc::Status. Codes map
-// 1:1 (StatusCode mirrors google.rpc.Code); the message is passed through,
-// because every message names the offending value and carries no secrets
-// (tokens and handles are never put into messages).
+// The one place where the daemon's Status becomes a gRPC answer. Codes map
+// 1:1 (StatusCode mirrors google.rpc.Code); the message is passed through
+// for people (every message names the offending value and carries no
+// secrets: tokens and handles are never put into messages); the Reason goes
+// in the trailing metadata v1::kReasonMetadataKey as its decimal value, for
+// programs (opd.proto, wire.h).
 #pragma once
 
-#include <grpcpp/support/status.h>
+#include <grpcpp/grpcpp.h>
 
 #include "common/status.h"
 
 namespace cache_dit_opd {
 
 grpc::Status ToGrpcStatus(const Status& status);
+
+// Finishes `reactor` with `status`, its reason in `ctx`'s trailing metadata.
+void Finish(grpc::CallbackServerContext* ctx, grpc::ServerUnaryReactor* reactor, const Status& status);
 
 }  // namespace cache_dit_opd

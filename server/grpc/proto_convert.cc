@@ -11,18 +11,26 @@ CACHE_DIT_OPD_WIRE_DTYPES(CACHE_DIT_OPD_X)
 #undef CACHE_DIT_OPD_X
 static_assert(v1::DType_ARRAYSIZE == kDTypeCount, "opd.proto has a dtype wire.h does not");
 
+// opd.proto's Reason enum and wire.h's table are the same numbers.
+#define CACHE_DIT_OPD_X(e, v, proto, code, action)                                       \
+  static_assert(static_cast<int>(v1::REASON_##proto) == v && static_cast<int>(Reason::e) == v, \
+                "opd.proto REASON_" #proto " differs from wire.h");
+CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+static_assert(v1::Reason_ARRAYSIZE == v1::kReasonCount, "opd.proto has a reason wire.h does not");
+
 Status TensorFromProto(int index, const v1::TensorRef& in, TensorRef* out) {
   if (in.sizes_size() > kMaxTensorDims) {
-    return Status::InvalidArgument("argument ", index, ": tensor has ", in.sizes_size(), " dims, at most ",
+    return Status::Rejected(Reason::kBadArgument, "argument ", index, ": tensor has ", in.sizes_size(), " dims, at most ",
                                    kMaxTensorDims);
   }
   if (in.sizes_size() != in.strides_size()) {
-    return Status::InvalidArgument("argument ", index, ": tensor has ", in.sizes_size(), " sizes but ",
+    return Status::Rejected(Reason::kBadArgument, "argument ", index, ": tensor has ", in.sizes_size(), " sizes but ",
                                    in.strides_size(), " strides");
   }
   const int dtype = static_cast<int>(in.dtype());
   if (!IsWireDType(dtype)) {
-    return Status::InvalidArgument("argument ", index, ": dtype ", dtype, " is not a protocol v1 dtype");
+    return Status::Rejected(Reason::kBadArgument, "argument ", index, ": dtype ", dtype, " is not a protocol v1 dtype");
   }
   out->region_id = in.region_id();
   out->byte_offset = in.byte_offset();
@@ -35,7 +43,7 @@ Status TensorFromProto(int index, const v1::TensorRef& in, TensorRef* out) {
 template <typename L>
 Status CheckList(int index, const L& list) {
   if (list.values_size() > kMaxListLength) {
-    return Status::InvalidArgument("argument ", index, ": list of ", list.values_size(), " values, at most ",
+    return Status::Rejected(Reason::kBadArgument, "argument ", index, ": list of ", list.values_size(), " values, at most ",
                                    kMaxListLength);
   }
   return Status::Ok();
@@ -45,12 +53,13 @@ Status CheckList(int index, const L& list) {
 
 Status FromProto(const v1::CallRequest& in, CallRequest* out) {
   if (in.args_size() > kMaxArgs) {
-    return Status::InvalidArgument("call has ", in.args_size(), " arguments, at most ", kMaxArgs);
+    return Status::Rejected(Reason::kBadArgument, "call has ", in.args_size(), " arguments, at most ", kMaxArgs);
   }
   out->op = in.op();
   out->overload = in.overload();
   out->lane = in.lane();
   out->seq = in.seq();
+  out->host_ordered = in.host_ordered();
   out->args.clear();
   out->args.reserve(in.args_size());
   for (int i = 0; i < in.args_size(); ++i) {
@@ -87,7 +96,7 @@ Status FromProto(const v1::CallRequest& in, CallRequest* out) {
         out->args.emplace_back(NoneArg{});
         break;
       case v1::Argument::VALUE_NOT_SET:
-        return Status::InvalidArgument("argument ", i, " has no value");
+        return Status::Rejected(Reason::kBadArgument, "argument ", i, " has no value");
     }
   }
   return Status::Ok();

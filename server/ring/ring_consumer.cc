@@ -50,6 +50,7 @@ void WriteRingCompletion(SessionMemory& memory, uint64_t ticket, uint32_t lane, 
   r.seq = seq;
   r.lane = lane;
   r.status_code = static_cast<int32_t>(status.code());
+  r.reason = static_cast<uint32_t>(status.reason());
   const size_t len = Utf8Prefix(status.message(), sizeof(r.message) - 1);
   std::memcpy(r.message, status.message().data(), len);
   r.message[len] = '\0';
@@ -146,9 +147,9 @@ void RingConsumer::Loop() {
       // look again a little later before ending the session over it.
       const uint64_t again = SettledTail(tail_ref);
       if (again >= head && again - head <= capacity) continue;
-      Status why = again < head ? Status::InvalidArgument("call ring protocol violation: sq_tail ", again,
+      Status why = again < head ? Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again,
                                                           " is behind the daemon's head ", head)
-                                : Status::InvalidArgument("call ring protocol violation: sq_tail ", again, " is ",
+                                : Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again, " is ",
                                                           again - head, " records ahead of the daemon's head ",
                                                           head, ", more than the capacity ", capacity);
       spdlog::error("session {}: {}; ending the session", session_->id(), why.message());
@@ -175,7 +176,7 @@ void RingConsumer::Process(uint64_t ticket, const uint8_t* copy) {
   if (usable && ids.ticket != ticket) {
     // Not this ticket's record (stale or misplaced): its lane and seq are not
     // to be trusted either.
-    s = Status::InvalidArgument("record ticket ", ids.ticket, " found in the slot of ticket ", ticket);
+    s = Status::Rejected(Reason::kMalformed, "record ticket ", ids.ticket, " found in the slot of ticket ", ticket);
     usable = false;
   }
   const uint32_t lane = ids.lane;

@@ -16,11 +16,11 @@ Status PeerPolicy::Admit(const PeerCred& peer) const {
   if (peer.uid == own_uid_) return Status::Ok();
   if (allowed_gid_ && peer.gid == *allowed_gid_) return Status::Ok();
   if (allowed_gid_) {
-    return Status::PermissionDenied("peer pid ", peer.pid, " (uid ", peer.uid, ", gid ", peer.gid,
+    return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " (uid ", peer.uid, ", gid ", peer.gid,
                                     ") is neither the daemon's uid ", own_uid_, " nor in --allowed-gid ",
                                     *allowed_gid_);
   }
-  return Status::PermissionDenied("peer pid ", peer.pid, " (uid ", peer.uid, ", gid ", peer.gid,
+  return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " (uid ", peer.uid, ", gid ", peer.gid,
                                   ") is not the daemon's uid ", own_uid_,
                                   "; start the daemon with --allowed-gid to admit a group");
 }

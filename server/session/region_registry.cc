@@ -35,17 +35,17 @@ void RegionRegistry::CloseAll(std::vector<Region>& regions) {
 
 Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, Registered* out) {
   if (handle.size() != kIpcHandleBytes) {
-    return Status::InvalidArgument("ipc_handle is ", handle.size(), " bytes, expected ", kIpcHandleBytes);
+    return Status::Rejected(Reason::kBadArgument, "ipc_handle is ", handle.size(), " bytes, expected ", kIpcHandleBytes);
   }
   ReleaseCompleted();  // finished pending releases free room first
   std::string key(handle);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return Status::FailedPrecondition("session is closed");
+    if (closed_) return Status::Rejected(Reason::kSessionEnded, "session is closed");
     if (auto it = id_by_handle_.find(key); it != id_by_handle_.end()) {
       Region& r = active_.at(it->second);
       if (claimed_size > r.size) {
-        return Status::InvalidArgument("size ", claimed_size, " exceeds the allocation of ", r.size,
+        return Status::Rejected(Reason::kBadArgument, "size ", claimed_size, " exceeds the allocation of ", r.size,
                                        " bytes this handle maps");
       }
       r.lru_tick = ++tick_;
@@ -56,7 +56,7 @@ Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, 
     for (auto it = pending_.begin(); it != pending_.end(); ++it) {
       if (it->handle != key) continue;
       if (claimed_size > it->size) {
-        return Status::InvalidArgument("size ", claimed_size, " exceeds the allocation of ", it->size,
+        return Status::Rejected(Reason::kBadArgument, "size ", claimed_size, " exceeds the allocation of ", it->size,
                                        " bytes this handle maps");
       }
       Region r = std::move(*it);
@@ -84,18 +84,18 @@ Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, 
   } guard{opener_, base, &keep};
 
   if (claimed_size > size) {
-    return Status::InvalidArgument("size ", claimed_size, " exceeds the allocation of ", size,
+    return Status::Rejected(Reason::kBadArgument, "size ", claimed_size, " exceeds the allocation of ", size,
                                    " bytes the driver reports for this handle");
   }
   if (size > limits_.max_bytes) {
-    return Status::ResourceExhausted("region of ", size, " bytes exceeds --max-mapped-bytes ",
+    return Status::Rejected(Reason::kResourceExhausted, "region of ", size, " bytes exceeds --max-mapped-bytes ",
                                      limits_.max_bytes);
   }
 
   std::vector<Region> evicted;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return Status::FailedPrecondition("session is closed");
+    if (closed_) return Status::Rejected(Reason::kSessionEnded, "session is closed");
     if (auto it = id_by_handle_.find(key); it != id_by_handle_.end()) {
       // Registered concurrently: our open was one more reference; drop it.
       Region& r = active_.at(it->second);
@@ -113,10 +113,10 @@ Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, 
       }
       if (victim == active_.end()) {
         if (count() + 1 > limits_.max_regions) {
-          return Status::ResourceExhausted("session has ", count(), " regions mapped (--max-regions ",
+          return Status::Rejected(Reason::kResourceExhausted, "session has ", count(), " regions mapped (--max-regions ",
                                            limits_.max_regions, ") and none is idle");
         }
-        return Status::ResourceExhausted("session has ", mapped_bytes_, " bytes mapped; ", size,
+        return Status::Rejected(Reason::kResourceExhausted, "session has ", mapped_bytes_, " bytes mapped; ", size,
                                          " more would exceed --max-mapped-bytes ", limits_.max_bytes,
                                          " and no region is idle");
       }
@@ -146,7 +146,7 @@ Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, 
 Status RegionRegistry::Unregister(uint64_t region_id, bool* deferred) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = active_.find(region_id);
-  if (it == active_.end()) return Status::NotFound("region ", region_id, " is not registered in this session");
+  if (it == active_.end()) return Status::Rejected(Reason::kRegionUnknown, "region ", region_id, " is not registered in this session");
   *deferred = !IdleLocked(it->second);
   id_by_handle_.erase(it->second.handle);
   pending_.push_back(std::move(it->second));
@@ -157,16 +157,16 @@ Status RegionRegistry::Unregister(uint64_t region_id, bool* deferred) {
 Status RegionRegistry::Resolve(uint64_t region_id, MappedRegion* out) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = active_.find(region_id);
-  if (it == active_.end()) return Status::NotFound("region ", region_id, " is not registered in this session");
+  if (it == active_.end()) return Status::Rejected(Reason::kRegionUnknown, "region ", region_id, " is not registered in this session");
   *out = MappedRegion{it->second.base, it->second.size, device_};
   return Status::Ok();
 }
 
 Status RegionRegistry::ResolveForCall(uint64_t region_id, uint32_t lane, uint64_t seq, MappedRegion* out) {
-  if (lane >= lanes_) return Status::InvalidArgument("lane ", lane, " out of range [0, ", lanes_, ")");
+  if (lane >= lanes_) return Status::Rejected(Reason::kLaneRange, "lane ", lane, " out of range [0, ", lanes_, ")");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = active_.find(region_id);
-  if (it == active_.end()) return Status::NotFound("region ", region_id, " is not registered in this session");
+  if (it == active_.end()) return Status::Rejected(Reason::kRegionUnknown, "region ", region_id, " is not registered in this session");
   Region& r = it->second;
   r.last_use[lane] = std::max(r.last_use[lane], seq);
   r.lru_tick = ++tick_;

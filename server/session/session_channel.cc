@@ -30,6 +30,7 @@ Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_byte
   reply.status_code = static_cast<int32_t>(status.code());
   reply.layout_version = v1::kLayoutVersion;
   reply.shared_memory_bytes = status.ok() ? shared_memory_bytes : 0;
+  reply.reason = static_cast<uint32_t>(status.reason());
   std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
 
   iovec iov{&reply, sizeof(reply)};
@@ -151,7 +152,7 @@ void SessionChannel::Accept() {
     }
     size_t unbound = std::count_if(conns_.begin(), conns_.end(), [](const Conn& c) { return c.session_id == 0; });
     if (unbound >= kMaxUnbound) {
-      (void)SendBindReply(fd, Status::ResourceExhausted(unbound, " session-channel connections await binding"), 0, -1);
+      (void)SendBindReply(fd, Status::Rejected(Reason::kResourceExhausted, unbound, " session-channel connections await binding"), 0, -1);
       close(fd);
       continue;
     }
@@ -182,7 +183,7 @@ void SessionChannel::HandleBind(Conn& conn) {
   if (s.ok()) {
     size_t len = std::min<size_t>(static_cast<size_t>(n), sizeof(buf));
     s = static_cast<size_t>(n) > sizeof(v1::BindRequest)
-            ? Status::InvalidArgument("bind request is ", n, " bytes, expected ", sizeof(v1::BindRequest))
+            ? Status::Rejected(Reason::kMalformed, "bind request is ", n, " bytes, expected ", sizeof(v1::BindRequest))
             : manager_->Bind(std::string_view(buf, len), peer, &session);
   }
   if (!s.ok()) {
@@ -194,7 +195,7 @@ void SessionChannel::HandleBind(Conn& conn) {
   Status sent = SendBindReply(fd, Status::Ok(), session->memory().bytes(), session->memory().fd());
   if (!sent.ok()) {
     CloseConn(fd);
-    manager_->End(session->id(), Status::Unavailable("session ", session->id(), ": ", sent.message()));
+    manager_->End(session->id(), Status::Rejected(Reason::kClosed, "session ", session->id(), ": ", sent.message()));
     return;
   }
   conn.session_id = session->id();
@@ -211,7 +212,7 @@ void SessionChannel::OnReadable(Conn& conn) {
   if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) return;
   uint64_t id = conn.session_id;
   CloseConn(conn.fd);
-  manager_->End(id, Status::Cancelled("session ", id, ": session channel closed by the client"));
+  manager_->End(id, Status::Rejected(Reason::kClosed, "session ", id, ": session channel closed by the client"));
 }
 
 void SessionChannel::Loop() {
@@ -263,7 +264,7 @@ void SessionChannel::Loop() {
       next_tick = now + tick_;
       for (size_t i = 0; i < conns_.size();) {
         if (conns_[i].session_id == 0 && now >= conns_[i].deadline) {
-          (void)SendBindReply(conns_[i].fd, Status::DeadlineExceeded("no bind request within ", manager_->bind_timeout_ms(), " ms"), 0, -1);
+          (void)SendBindReply(conns_[i].fd, Status::Rejected(Reason::kBindTimeout, "no bind request within ", manager_->bind_timeout_ms(), " ms"), 0, -1);
           CloseConn(conns_[i].fd);
         } else {
           ++i;

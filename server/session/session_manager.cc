@@ -25,7 +25,7 @@ Status RandomToken(SessionToken* token) {
 
 Status CheckTokenSize(std::string_view token) {
   if (token.size() != v1::kTokenBytes) {
-    return Status::InvalidArgument("token is ", token.size(), " bytes, expected ", v1::kTokenBytes);
+    return Status::Rejected(Reason::kBadArgument, "token is ", token.size(), " bytes, expected ", v1::kTokenBytes);
   }
   return Status::Ok();
 }
@@ -52,20 +52,21 @@ SessionManager::SessionManager(SessionLimits limits, int device, std::string gpu
 
 Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>* out) {
   if (p.protocol_version != v1::kProtocolVersion) {
-    return Status::FailedPrecondition("client speaks protocol version ", p.protocol_version,
-                                      "; this daemon speaks ", v1::kProtocolVersion);
+    return Status::Rejected(Reason::kVersionMismatch, "the client speaks protocol version ", p.protocol_version,
+                            ", this daemon (cache-dit-opd) speaks protocol version ", v1::kProtocolVersion,
+                            ": install matching versions of the client and the daemon");
   }
   if (!p.gpu_uuid.empty() && p.gpu_uuid != gpu_uuid_) {
-    return Status::FailedPrecondition("client expects GPU ", p.gpu_uuid, "; this daemon serves ",
-                                      gpu_uuid_.empty() ? "no GPU" : gpu_uuid_);
+    return Status::Rejected(Reason::kWrongDevice, "client expects GPU ", p.gpu_uuid, "; this daemon serves ",
+                            gpu_uuid_.empty() ? "no GPU" : gpu_uuid_);
   }
   if (device_ops_ == nullptr || opener_ == nullptr) {
-    return Status::Unavailable("the daemon has no usable GPU");
+    return Status::Rejected(Reason::kNotServing, "the daemon has no usable GPU");
   }
-  if (p.client_pid <= 0) return Status::InvalidArgument("client_pid ", p.client_pid, " is not a pid");
+  if (p.client_pid <= 0) return Status::Rejected(Reason::kBadArgument, "client_pid ", p.client_pid, " is not a pid");
   if (p.client_name.size() > kMaxClientNameBytes) {
-    return Status::InvalidArgument("client_name is ", p.client_name.size(), " bytes, at most ",
-                                   kMaxClientNameBytes);
+    return Status::Rejected(Reason::kBadArgument, "client_name is ", p.client_name.size(), " bytes, at most ",
+                            kMaxClientNameBytes);
   }
   SessionConfig config;
   config.client_pid = p.client_pid;
@@ -77,10 +78,10 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
   OPD_RETURN_IF_ERROR(RandomToken(&config.token));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!accepting_) return Status::Unavailable(not_accepting_reason_);
+    if (!accepting_) return not_accepting_;
     if (sessions_.size() >= limits_.max_sessions) {
-      return Status::ResourceExhausted(sessions_.size(), " sessions are open (--max-sessions ",
-                                       limits_.max_sessions, ")");
+      return Status::Rejected(Reason::kResourceExhausted, sessions_.size(), " sessions are open (--max-sessions ",
+                              limits_.max_sessions, ")");
     }
     config.id = next_id_++;
   }
@@ -93,10 +94,10 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
   s->set_bind_deadline(Clock::now() + std::chrono::milliseconds(limits_.bind_timeout_ms));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!accepting_) return Status::Unavailable(not_accepting_reason_);
+    if (!accepting_) return not_accepting_;
     if (sessions_.size() >= limits_.max_sessions) {
-      return Status::ResourceExhausted(sessions_.size(), " sessions are open (--max-sessions ",
-                                       limits_.max_sessions, ")");
+      return Status::Rejected(Reason::kResourceExhausted, sessions_.size(), " sessions are open (--max-sessions ",
+                              limits_.max_sessions, ")");
     }
     sessions_[config.id] = s;
   }
@@ -111,35 +112,36 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
 
 Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::shared_ptr<Session>* out) {
   if (bytes.size() != sizeof(v1::BindRequest)) {
-    return Status::InvalidArgument("bind request is ", bytes.size(), " bytes, expected ",
-                                   sizeof(v1::BindRequest));
+    return Status::Rejected(Reason::kMalformed, "bind request is ", bytes.size(), " bytes, expected ",
+                            sizeof(v1::BindRequest));
   }
   v1::BindRequest req;
   std::memcpy(&req, bytes.data(), sizeof(req));
   if (req.magic != v1::kBindRequestMagic) {
-    return Status::InvalidArgument("bind request magic 0x", std::hex, req.magic, " is not 0x",
-                                   v1::kBindRequestMagic);
+    return Status::Rejected(Reason::kMalformed, "bind request magic 0x", std::hex, req.magic, " is not 0x",
+                            v1::kBindRequestMagic);
   }
   if (req.protocol_version != v1::kProtocolVersion) {
-    return Status::FailedPrecondition("bind request speaks protocol version ", req.protocol_version,
-                                      "; this daemon speaks ", v1::kProtocolVersion);
+    return Status::Rejected(Reason::kVersionMismatch, "the client's bind request speaks protocol version ",
+                            req.protocol_version, ", this daemon (cache-dit-opd) speaks protocol version ",
+                            v1::kProtocolVersion, ": install matching versions of the client and the daemon");
   }
   OPD_RETURN_IF_ERROR(policy_.Admit(peer));
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sessions_.find(req.session_id);
-    if (it == sessions_.end()) return Status::NotFound("session ", req.session_id, " not found");
+    if (it == sessions_.end()) return Status::Rejected(Reason::kSessionUnknown, "session ", req.session_id, " not found");
     s = it->second;
     if (!TokenEquals(s->token(), std::string_view(reinterpret_cast<const char*>(req.token), sizeof(req.token)))) {
-      return Status::PermissionDenied("wrong token for session ", req.session_id);
+      return Status::Rejected(Reason::kBadToken, "wrong token for session ", req.session_id);
     }
     if (peer.pid != s->client_pid()) {
-      return Status::PermissionDenied("peer pid ", peer.pid, " does not match OpenSession's client_pid ",
-                                      s->client_pid(), " for session ", req.session_id);
+      return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " does not match OpenSession's client_pid ",
+                              s->client_pid(), " for session ", req.session_id);
     }
     if (s->state() != SessionState::kUnbound) {
-      return Status::FailedPrecondition("session ", req.session_id, " is already bound");
+      return Status::Rejected(Reason::kMalformed, "session ", req.session_id, " is already bound");
     }
     s->set_peer(peer);
     s->set_state(SessionState::kBound);
@@ -157,13 +159,13 @@ Status SessionManager::Authorize(uint64_t session_id, std::string_view token, bo
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sessions_.find(session_id);
-    if (it == sessions_.end()) return Status::NotFound("session ", session_id, " not found");
+    if (it == sessions_.end()) return Status::Rejected(Reason::kSessionUnknown, "session ", session_id, " not found");
     s = it->second;
   }
-  if (!TokenEquals(s->token(), token)) return Status::PermissionDenied("wrong token for session ", session_id);
+  if (!TokenEquals(s->token(), token)) return Status::Rejected(Reason::kBadToken, "wrong token for session ", session_id);
   if (require_bound && !s->bound()) {
-    return Status::FailedPrecondition("session ", session_id,
-                                      " is not bound yet: present its token on the session channel first");
+    return Status::Rejected(Reason::kSessionUnbound, "session ", session_id,
+                            " is not bound yet: present its token on the session channel first");
   }
   *out = std::move(s);
   return Status::Ok();
@@ -176,13 +178,13 @@ Status SessionManager::Close(uint64_t session_id, std::string_view token) {
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) {
       if (session_id != 0 && session_id < next_id_) return Status::Ok();  // already ended
-      return Status::NotFound("session ", session_id, " not found");
+      return Status::Rejected(Reason::kSessionUnknown, "session ", session_id, " not found");
     }
     if (!TokenEquals(it->second->token(), token)) {
-      return Status::PermissionDenied("wrong token for session ", session_id);
+      return Status::Rejected(Reason::kBadToken, "wrong token for session ", session_id);
     }
   }
-  End(session_id, Status::Cancelled("session ", session_id, " closed by its client"));
+  End(session_id, Status::Rejected(Reason::kClosed, "session ", session_id, " closed by its client"));
   return Status::Ok();
 }
 
@@ -229,17 +231,17 @@ void SessionManager::Tick(Clock::time_point now) {
     }
   }
   for (auto& s : expired) {
-    Status reason = Status::DeadlineExceeded("session ", s->id(), " was not bound on the session channel within ",
-                                             limits_.bind_timeout_ms, " ms");
+    Status reason = Status::Rejected(Reason::kBindTimeout, "session ", s->id(),
+                                     " was not bound on the session channel within ", limits_.bind_timeout_ms, " ms");
     spdlog::warn("session {}: dropped (pid {}): {}", s->id(), s->client_pid(), reason.message());
     if (on_end_) on_end_(s, reason);
   }
 }
 
-void SessionManager::StopAccepting(const std::string& reason) {
+void SessionManager::StopAccepting(const Status& reason) {
   std::lock_guard<std::mutex> lock(mu_);
   accepting_ = false;
-  not_accepting_reason_ = reason;
+  not_accepting_ = reason;
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::Snapshot() const {

@@ -97,8 +97,8 @@ class SessionManager {
   void EndAll(const Status& reason);
   void Tick(Clock::time_point now);
 
-  // OpenSession fails UNAVAILABLE with `reason` while not accepting.
-  void StopAccepting(const std::string& reason);
+  // OpenSession fails with `reason` while not accepting.
+  void StopAccepting(const Status& reason);
 
   std::vector<std::shared_ptr<Session>> Snapshot() const;
   size_t size() const;
@@ -120,7 +120,7 @@ class SessionManager {
   std::map<uint64_t, std::shared_ptr<Session>> sessions_;  // guarded by mu_
   uint64_t next_id_ = 1;                                    // guarded by mu_
   bool accepting_ = true;                                   // guarded by mu_
-  std::string not_accepting_reason_;                        // guarded by mu_
+  Status not_accepting_;                                    // guarded by mu_: what Open answers
 };
 
 // Compares tokens in constant time.

@@ -342,7 +342,7 @@ def test_full_ring_wait_breaks_by_liveness(rings):
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("version", 2, "version 2"),
+    ("version", 3, "version 3"),
     ("capacity", 6, "capacity 6"),
     ("capacity", 0, "capacity 0"),
     ("slot_bytes", 1024, "slot_bytes 1024"),

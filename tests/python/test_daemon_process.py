@@ -27,7 +27,10 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-BUILD_DIR = pathlib.Path(os.environ.get("CACHE_DIT_OPD_BUILD_DIR", "/work/main/build"))
+sys.path.insert(0, str(REPO / "python"))
+from cache_dit_opd import _wire  # noqa: E402  (the contract's numbers)
+
+BUILD_DIR = pathlib.Path(os.environ.get("CACHE_DIT_OPD_BUILD_DIR", str(REPO / "build")))
 DAEMON = BUILD_DIR / "server" / "cache-dit-opd"
 DRAIN_DEADLINE_MS = 2000
 
@@ -130,6 +133,13 @@ def _channel(sock):
     return channel
 
 
+def _reason(err) -> str:
+    """The reason name an error's trailing metadata carries (opd.proto Reason)."""
+    value = dict(err.trailing_metadata() or ()).get(_wire.REASON_METADATA_KEY)
+    names = {v[0]: k for k, v in _wire.REASONS.items()}
+    return names.get(int(value), value) if value is not None else "UNSPECIFIED"
+
+
 def test_version_health_open_session_and_sigterm(stubs, daemon):
     opd_pb2, opd_grpc, health_pb2, health_grpc = stubs
     proc, sock, session_sock, log = daemon
@@ -142,8 +152,8 @@ def test_version_health_open_session_and_sigterm(stubs, daemon):
     with _channel(sock) as channel:
         stub = opd_grpc.OperatorDaemonStub(channel)
         version = stub.GetVersion(opd_pb2.VersionRequest(), timeout=10)
-        assert version.protocol_version == 1
-        assert version.layout_version == 1
+        assert version.protocol_version == _wire.PROTOCOL_VERSION
+        assert version.layout_version == _wire.LAYOUT_VERSION
         assert version.daemon_version
         assert version.serving is False
         reason = version.not_serving_reason
@@ -161,10 +171,11 @@ def test_version_health_open_session_and_sigterm(stubs, daemon):
 
         with pytest.raises(grpc.RpcError) as err:
             stub.OpenSession(
-                opd_pb2.OpenSessionRequest(protocol_version=1, client_pid=os.getpid(), lanes=1), timeout=10
-            )
+                opd_pb2.OpenSessionRequest(protocol_version=_wire.PROTOCOL_VERSION, client_pid=os.getpid(), lanes=1),
+                timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert reason in err.value.details()
+        assert _reason(err.value) == "NOT_SERVING"
 
         # Session-scoped calls are refused cleanly and the daemon keeps serving.
         with pytest.raises(grpc.RpcError) as err:
@@ -173,9 +184,10 @@ def test_version_health_open_session_and_sigterm(stubs, daemon):
         with pytest.raises(grpc.RpcError) as err:
             stub.RegisterRegion(opd_pb2.RegisterRegionRequest(session_id=1, token=b"x", ipc_handle=b"h"), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # token is 1 byte
+        assert _reason(err.value) == "BAD_ARGUMENT"
         stats = stub.GetStats(opd_pb2.StatsRequest(), timeout=10)
         assert stats.sessions == 0
-        assert stub.GetVersion(opd_pb2.VersionRequest(), timeout=10).protocol_version == 1
+        assert stub.GetVersion(opd_pb2.VersionRequest(), timeout=10).protocol_version == _wire.PROTOCOL_VERSION
 
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)

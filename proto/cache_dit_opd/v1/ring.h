@@ -1,6 +1,6 @@
 // File: proto/cache_dit_opd/v1/ring.h
 //
-// The shared-memory call ring, layout version 1: the hot-call data plane. It
+// The shared-memory call ring, layout version 2: the hot-call data plane. It
 // lives in the session's memfd (session_memory.h) at
 // SessionMemoryHeader::ring_offset, ring_bytes long, when OpenSession granted
 // it (OpenSessionReply.ring_enabled). A ring record carries exactly what a
@@ -59,7 +59,7 @@
 
 namespace cache_dit_opd::v1 {
 
-inline constexpr uint32_t kRingVersion = 1;
+inline constexpr uint32_t kRingVersion = 2;  // 2: CompletionRecord::reason
 inline constexpr uint32_t kRingControlBytes = 256;
 inline constexpr uint32_t kSlotBytes = 2048;       // one submission record, at most
 inline constexpr uint32_t kCompletionBytes = 256;  // one completion
@@ -124,7 +124,8 @@ struct CompletionRecord {
   uint64_t seq;
   uint32_t lane;
   int32_t status_code;   // google.rpc.Code: 0 accepted, else the rejection
-  char message[224];     // NUL-terminated, truncated
+  uint32_t reason;       // wire.h Reason of a rejection (what the client does)
+  char message[220];     // NUL-terminated, truncated, for people
 };
 static_assert(sizeof(CompletionRecord) == kCompletionBytes);
 

@@ -1,6 +1,6 @@
 // File: proto/cache_dit_opd/v1/session_memory.h
 //
-// Session channel messages and the session shared-memory layout, version 1.
+// Session channel messages and the session shared-memory layout, version 2.
 // Part of the protocol (like opd.proto): the Python client mirrors these
 // offsets in python/cache_dit_opd/_layout.py and a test keeps them equal.
 //
@@ -36,10 +36,15 @@
 
 #include <cstdint>
 
+#include "cache_dit_opd/v1/wire.h"
+
 namespace cache_dit_opd::v1 {
 
-inline constexpr uint32_t kProtocolVersion = 1;
-inline constexpr uint32_t kLayoutVersion = 1;
+// 2: every error carries a Reason (wire.h) on gRPC, in ring completions and
+//    in bind replies; host-ordered calls.
+inline constexpr uint32_t kProtocolVersion = 2;
+// 2: BindReply::reason, CompletionRecord::reason (ring.h).
+inline constexpr uint32_t kLayoutVersion = 2;
 inline constexpr uint32_t kSessionMemoryMagic = 0x504F4443u;  // "CDOP" little-endian
 inline constexpr uint32_t kBindRequestMagic = 0x444E4942u;    // "BIND"
 inline constexpr uint32_t kTokenBytes = 32;
@@ -56,7 +61,8 @@ struct BindReply {
   int32_t status_code;       // google.rpc.Code; 0 = bound, memfd attached
   uint32_t layout_version;   // kLayoutVersion
   uint64_t shared_memory_bytes;  // size of the attached memfd
-  char message[256];         // NUL-terminated reason when status_code != 0
+  uint32_t reason;           // wire.h Reason when status_code != 0 (what the client does)
+  char message[252];         // NUL-terminated, for people, when status_code != 0
 };
 static_assert(sizeof(BindReply) == 272);
 

@@ -1,9 +1,10 @@
 // File: proto/cache_dit_opd/v1/wire.h
 //
-// The numbers of protocol v1 that every transport shares: the wire dtypes
-// (opd.proto's enum DType, the ring record's tensor dtype), and the limits a
-// call obeys on any transport (the ring's fixed record layout is sized from
-// them). Part of the contract, like opd.proto, ring.h and session_memory.h:
+// The numbers every transport shares: the wire dtypes (opd.proto's enum
+// DType, the ring record's tensor dtype), the limits a call obeys on any
+// transport (the ring's fixed record layout is sized from them), and the
+// rejection reasons with what a client does about each (opd.proto's enum
+// Reason; carried by gRPC errors, ring completions and bind replies). Part of the contract, like opd.proto, ring.h and session_memory.h:
 // client and daemon consume these values, nobody redefines them. The Python
 // client's copy is generated from this header (python/cache_dit_opd/_wire.py,
 // written by proto/tools/wire_py.cc).
@@ -49,5 +50,111 @@ inline constexpr bool IsWireDType(int64_t value) { return value >= 1 && value < 
 inline constexpr int kMaxTensorDims = 8;
 inline constexpr int kMaxArgs = 32;
 inline constexpr int kMaxListLength = 64;
+
+// ---- rejection reasons ---------------------------------------------------------
+//
+// Every error the daemon returns carries a Reason: a value, not prose (no
+// client ever reads a message to decide anything). It travels
+//   - gRPC: trailing metadata kReasonMetadataKey = the decimal value;
+//   - ring: CompletionRecord::reason (ring.h);
+//   - session channel: BindReply::reason (session_memory.h).
+// A client decides what to do with ActionOf(code, reason) and nothing else.
+//
+// What a client does:
+//   kRaiseValue  the call's arguments are wrong: raise (Python: ValueError);
+//                the session and its lanes go on
+//   kRaise       raise (Python: RuntimeError); the session goes on
+//   kReregister  a region of the call is unknown to the daemon (evicted or
+//                unregistered): forget the call's regions, register them
+//                again, run the call once more; the session goes on
+//   kReconnect   the daemon no longer serves this session (it ended, the
+//                daemon restarted, is draining, lost its device) or the
+//                lane's numbering is no longer shared: fail the session; the
+//                call did not run, so run it once more on a new session
+//   kFail        fail the session and raise; running again cannot help
+#define CACHE_DIT_OPD_CLIENT_ACTIONS(X) \
+  X(kRaiseValue, 1, "raise_value")      \
+  X(kRaise, 2, "raise")                 \
+  X(kReregister, 3, "reregister")       \
+  X(kReconnect, 4, "reconnect")         \
+  X(kFail, 5, "fail")
+
+// X(enumerator, value, opd.proto name REASON_<name>, google.rpc.Code, action).
+// kUnspecified (0): an error that names no reason (one from gRPC itself, say);
+// then the code alone decides (CACHE_DIT_OPD_CODE_ACTIONS).
+#define CACHE_DIT_OPD_REASONS(X)                                                         \
+  X(kBadArgument, 1, BAD_ARGUMENT, 3, kRaiseValue)          /* a value, type, view or op check */ \
+  X(kUnsupported, 2, UNSUPPORTED, 12, kRaise)               /* the daemon cannot run this overload */ \
+  X(kOpUnknown, 3, OP_UNKNOWN, 5, kRaise)                   /* op or overload not registered */ \
+  X(kRegionUnknown, 4, REGION_UNKNOWN, 5, kReregister)      /* region id unknown to the session */ \
+  X(kSessionUnknown, 5, SESSION_UNKNOWN, 5, kReconnect)     /* no such session (daemon restarted?) */ \
+  X(kSessionEnded, 6, SESSION_ENDED, 9, kReconnect)         /* the session has ended */ \
+  X(kSessionUnbound, 7, SESSION_UNBOUND, 9, kReconnect)     /* not bound on the session channel */ \
+  X(kBadToken, 8, BAD_TOKEN, 7, kReconnect)                 /* the token is not this session's */ \
+  X(kLaneSequence, 9, LANE_SEQUENCE, 3, kReconnect)         /* seq is not the lane's next */ \
+  X(kLaneRange, 10, LANE_RANGE, 3, kFail)                   /* no such lane, or seq 0 */ \
+  X(kMalformed, 11, MALFORMED, 3, kFail)                    /* a record or message breaks the format */ \
+  X(kResourceExhausted, 12, RESOURCE_EXHAUSTED, 8, kRaise)  /* a limit: sessions, regions, bytes */ \
+  X(kPeerRefused, 13, PEER_REFUSED, 7, kFail)               /* uid, gid or pid not admitted */ \
+  X(kVersionMismatch, 14, VERSION_MISMATCH, 9, kFail)       /* protocol or layout versions differ */ \
+  X(kWrongDevice, 15, WRONG_DEVICE, 9, kFail)               /* the daemon serves another GPU */ \
+  X(kNotServing, 16, NOT_SERVING, 14, kFail)                /* the daemon has no usable GPU */ \
+  X(kDraining, 17, DRAINING, 14, kReconnect)                /* the daemon is shutting down */ \
+  X(kDeviceLost, 18, DEVICE_LOST, 14, kReconnect)           /* sticky CUDA error: the daemon restarts */ \
+  X(kBindTimeout, 19, BIND_TIMEOUT, 4, kReconnect)          /* not bound within the bind deadline */ \
+  X(kClosed, 20, CLOSED, 1, kReconnect)                     /* closed by its client or its channel */ \
+  X(kInternal, 21, INTERNAL, 13, kFail)                     /* a daemon-side failure */
+
+// X(google.rpc.Code, action) for errors without a reason.
+#define CACHE_DIT_OPD_CODE_ACTIONS(X) \
+  X(1, kReconnect)   /* CANCELLED */          \
+  X(2, kReconnect)   /* UNKNOWN */            \
+  X(3, kRaiseValue)  /* INVALID_ARGUMENT */   \
+  X(4, kReconnect)   /* DEADLINE_EXCEEDED */  \
+  X(8, kRaise)       /* RESOURCE_EXHAUSTED */ \
+  X(10, kReconnect)  /* ABORTED */            \
+  X(11, kRaiseValue) /* OUT_OF_RANGE */       \
+  X(12, kRaise)      /* UNIMPLEMENTED */      \
+  X(14, kReconnect)  /* UNAVAILABLE */
+
+// The gRPC trailing-metadata key of an error's reason (decimal value).
+inline constexpr char kReasonMetadataKey[] = "cache-dit-opd-reason";
+
+enum class ClientAction : uint32_t {
+  kNone = 0,  // OK: nothing to do
+#define CACHE_DIT_OPD_X(e, v, name) e = v,
+  CACHE_DIT_OPD_CLIENT_ACTIONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+};
+
+// One past the largest reason value.
+inline constexpr uint32_t kReasonCount = 1
+#define CACHE_DIT_OPD_X(e, v, proto, code, action) +1
+    CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+    ;
+
+// ActionOf
+//
+// What a client does about an error of google.rpc.Code `code` carrying
+// `reason` (0 when it carries none): the reason's action when the reason is
+// known, else the code's (kFail for a code not listed). kNone for OK.
+inline constexpr ClientAction ActionOf(int code, uint32_t reason) {
+  if (code == 0) return ClientAction::kNone;
+  switch (reason) {
+#define CACHE_DIT_OPD_X(e, v, proto, c, action) \
+  case v: return ClientAction::action;
+    CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+    default: break;
+  }
+  switch (code) {
+#define CACHE_DIT_OPD_X(c, action) \
+  case c: return ClientAction::action;
+    CACHE_DIT_OPD_CODE_ACTIONS(CACHE_DIT_OPD_X)
+#undef CACHE_DIT_OPD_X
+    default: return ClientAction::kFail;
+  }
+}
 
 }  // namespace cache_dit_opd::v1

@@ -159,7 +159,7 @@ TEST(SessionChannel, RejectsMalformedReplies) {
   // Layout skew.
   s = BindAgainst([&](int fd, const v1::BindRequest&) {
     v1::BindReply r = OkReply(total);
-    r.layout_version = 2;
+    r.layout_version = v1::kLayoutVersion + 1;
     SendReply(fd, &r, sizeof(r), {memfd});
   }, &got, &bytes);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();

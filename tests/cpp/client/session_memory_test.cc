@@ -56,9 +56,9 @@ TEST(SessionMemory, RejectsBadMagicAndVersionAsSkew) {
   Status s = MapWith([](auto& h) { h.magic = 0x12345678; });
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_NE(s.message().find("magic"), std::string::npos);
-  s = MapWith([](auto& h) { h.layout_version = 2; });
+  s = MapWith([](auto& h) { h.layout_version = v1::kLayoutVersion + 1; });
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
-  EXPECT_NE(s.message().find("version 2"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("version " + std::to_string(v1::kLayoutVersion + 1)), std::string::npos) << s.message();
 }
 
 TEST(SessionMemory, RejectsInconsistentSizes) {

@@ -276,7 +276,7 @@ TEST_F(KernelOpsTest, UnknownOverload) {
 
 TEST_F(KernelOpsTest, FunctionalOverloadRefused) {
   ExpectError(Prepare(Call("fp8_comm_per_token_quant", "", {QuantIn()})),
-              StatusCode::kInvalidArgument,
+              StatusCode::kUnimplemented,
               {"cache_dit_cuda_ops::fp8_comm_per_token_quant", "new tensor"});
 }
 

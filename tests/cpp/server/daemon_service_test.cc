@@ -106,7 +106,7 @@ class DaemonServiceTest : public ::testing::Test {
   Bound OpenAndBind(uint32_t lanes = 2) {
     Bound b;
     v1::OpenSessionRequest req;
-    req.set_protocol_version(1);
+    req.set_protocol_version(v1::kProtocolVersion);
     req.set_client_pid(getpid());
     req.set_gpu_uuid(kUuid);
     req.set_lanes(lanes);
@@ -172,8 +172,8 @@ TEST_F(DaemonServiceTest, WithoutGpuAnswersVersionAndReportsNotServing) {
   v1::VersionReply v;
   grpc::ClientContext ctx;
   ASSERT_TRUE(stub_->GetVersion(&ctx, v1::VersionRequest(), &v).ok());
-  EXPECT_EQ(v.protocol_version(), 1u);
-  EXPECT_EQ(v.layout_version(), 1u);
+  EXPECT_EQ(v.protocol_version(), v1::kProtocolVersion);
+  EXPECT_EQ(v.layout_version(), v1::kLayoutVersion);
   EXPECT_FALSE(v.serving());
   EXPECT_EQ(v.not_serving_reason(), "no GPU: fake probe said so");
   EXPECT_EQ(v.device_index(), -1);
@@ -181,7 +181,7 @@ TEST_F(DaemonServiceTest, WithoutGpuAnswersVersionAndReportsNotServing) {
   EXPECT_EQ(HealthStatus(kServiceName), 2);
 
   v1::OpenSessionRequest req;
-  req.set_protocol_version(1);
+  req.set_protocol_version(v1::kProtocolVersion);
   req.set_client_pid(getpid());
   v1::OpenSessionReply reply;
   grpc::ClientContext ctx2;
@@ -249,7 +249,7 @@ TEST_F(DaemonServiceTest, SessionRegionCallStatsClose) {
   // A second session that is not bound yet cannot call.
   {
     v1::OpenSessionRequest req;
-    req.set_protocol_version(1);
+    req.set_protocol_version(v1::kProtocolVersion);
     req.set_client_pid(getpid());
     v1::OpenSessionReply reply;
     grpc::ClientContext ctx;

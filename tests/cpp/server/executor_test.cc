@@ -63,6 +63,12 @@ CallRequest Req(uint32_t lane, uint64_t seq, std::string op = "noop") {
   return r;
 }
 
+CallRequest HostOrdered(uint32_t lane, std::string op = "noop") {
+  CallRequest r = Req(lane, 0, std::move(op));
+  r.host_ordered = true;
+  return r;
+}
+
 // Polls `pred` for up to `timeout`: a call is answered when it is accepted,
 // and runs later on the executor thread.
 template <typename Pred>
@@ -216,6 +222,84 @@ TEST_F(ExecutorTest, StalledLaneBlocksNoOtherLaneOrSession) {
   SetInputsReady(*a, 0, 1);
   ASSERT_TRUE(WaitUntil([&] { return a->memory().Done(0) == 1; }));
   EXPECT_TRUE(WaitUntil([&] { return executor_->pending() == 0; }));
+}
+
+TEST_F(ExecutorTest, RejectionsCarryTheirReasons) {
+  auto s = NewSession(1);
+  auto unbound = NewSession(1, /*bound=*/false);
+  auto ended = NewSession(1);
+  ended->set_state(SessionState::kClosed);
+  Results r;
+  executor_->Submit(s, Req(1, 1), r.Slot(1));
+  executor_->Submit(s, Req(0, 0), r.Slot(2));
+  executor_->Submit(s, Req(0, 2), r.Slot(3));
+  executor_->Submit(unbound, Req(0, 1), r.Slot(4));
+  executor_->Submit(ended, Req(0, 1), r.Slot(5));
+  ASSERT_TRUE(r.Wait(5));
+  EXPECT_EQ(r.Get(1).reason(), Reason::kLaneRange);
+  EXPECT_EQ(r.Get(2).reason(), Reason::kLaneRange);
+  EXPECT_EQ(r.Get(3).reason(), Reason::kLaneSequence);
+  EXPECT_EQ(r.Get(4).reason(), Reason::kSessionUnbound);
+  EXPECT_EQ(r.Get(5).reason(), Reason::kSessionEnded);
+  // What a client does about them: give up, or reconnect and run the call again.
+  EXPECT_EQ(r.Get(1).action(), v1::ClientAction::kFail);
+  EXPECT_EQ(r.Get(3).action(), v1::ClientAction::kReconnect);
+  EXPECT_EQ(r.Get(5).action(), v1::ClientAction::kReconnect);
+}
+
+TEST_F(ExecutorTest, HostOrderedCallsAreNumberedByTheDaemonAndAnsweredAfterTheGpu) {
+  auto s = NewSession(1);
+  device_.hold_writes = true;  // the GPU is behind
+  Results r;
+  executor_->Submit(s, HostOrdered(0), r.Slot(1));  // inputs_ready is never written: not waited for
+  ASSERT_TRUE(WaitUntil([&] { return device_.held_count() == 1; }));  // it ran; its "done" is enqueued
+  std::this_thread::sleep_for(20ms);
+  EXPECT_FALSE(r.Has(1)) << "answered before the GPU finished it";
+  device_.FlushHeld();
+  ASSERT_TRUE(r.Wait(1));
+  EXPECT_TRUE(r.Get(1).ok()) << r.Get(1).ToString();
+  {
+    std::lock_guard<std::mutex> lock(device_.mu);
+    device_.hold_writes = false;
+  }
+  executor_->Submit(s, HostOrdered(0), r.Slot(2));
+  ASSERT_TRUE(r.Wait(2));
+  EXPECT_TRUE(r.Get(2).ok());
+  auto ran = runner_.ran_copy();
+  ASSERT_EQ(ran.size(), 2u);
+  EXPECT_EQ(ran[0].seq, 1u);
+  EXPECT_EQ(ran[1].seq, 2u);
+  EXPECT_EQ(s->memory().Done(0), 2u);
+  // The lane's numbering is the daemon's now: a client-numbered seq 1 is out of step.
+  executor_->Submit(s, Req(0, 1), r.Slot(3));
+  ASSERT_TRUE(r.Wait(3));
+  EXPECT_EQ(r.Get(3).reason(), Reason::kLaneSequence);
+}
+
+TEST_F(ExecutorTest, AHostOrderedCallCarriesNoSeqAndARejectedOneIsAnsweredAtOnce) {
+  auto s = NewSession(1);
+  Results r;
+  CallRequest numbered = HostOrdered(0);
+  numbered.seq = 4;
+  executor_->Submit(s, numbered, r.Slot(1));
+  ASSERT_TRUE(r.Wait(1));
+  EXPECT_EQ(r.Get(1).reason(), Reason::kMalformed);
+  device_.hold_writes = true;  // the answer of a rejection does not wait for the GPU
+  executor_->Submit(s, HostOrdered(0, "reject"), r.Slot(2));
+  ASSERT_TRUE(r.Wait(2, 2000ms));
+  EXPECT_EQ(r.Get(2).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(runner_.ran_copy().empty());
+}
+
+TEST_F(ExecutorTest, StopAnswersHostOrderedCallsStillOnTheGpu) {
+  auto s = NewSession(1);
+  device_.hold_writes = true;
+  Results r;
+  executor_->Submit(s, HostOrdered(0), r.Slot(1));
+  ASSERT_TRUE(WaitUntil([&] { return device_.held_count() == 1; }));
+  executor_->Stop();
+  ASSERT_TRUE(r.Wait(1));
+  EXPECT_EQ(r.Get(1).reason(), Reason::kDraining);
 }
 
 TEST_F(ExecutorTest, ImmediateRejections) {

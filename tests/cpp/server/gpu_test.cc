@@ -238,7 +238,7 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
   };
   auto open = [&](Client* c) {
     OpenSessionParams p;
-    p.protocol_version = 1;
+    p.protocol_version = v1::kProtocolVersion;
     p.client_pid = getpid();
     p.gpu_uuid = dev.uuid;
     p.lanes = 1;

@@ -1118,18 +1118,21 @@ TEST(RingProducerOpenTest, AnInvalidControlBlockIsRefusedNamingTheField) {
 TEST(RingCompletionTest, MessageIsTruncatedOnACharacterBoundaryAndTerminated) {
   std::unique_ptr<SessionMemory> m;
   ASSERT_TRUE(SessionMemory::Create(1, 1, 8, &m).ok());
-  std::string msg(222, 'x');
-  msg += "\xC3\xA9 and more";  // a two-byte character straddling byte 223
-  WriteRingCompletion(*m, 13, 2, 99, Status::NotFound(msg));
+  constexpr size_t kText = sizeof(v1::CompletionRecord::message) - 1;  // room before the NUL
+  std::string msg(kText - 1, 'x');
+  msg += "\xC3\xA9 and more";  // a two-byte character straddling the last byte
+  WriteRingCompletion(*m, 13, 2, 99, Status::Rejected(Reason::kRegionUnknown, msg));
   const v1::CompletionRecord* c = m->ring_completion(13);
   EXPECT_EQ(c->done_ticket, 14u);
   EXPECT_EQ(c->ticket, 13u);
   EXPECT_EQ(c->lane, 2u);
   EXPECT_EQ(c->seq, 99u);
   EXPECT_EQ(c->status_code, 5);
-  EXPECT_EQ(std::strlen(c->message), 222u);
+  EXPECT_EQ(c->reason, static_cast<uint32_t>(Reason::kRegionUnknown));
+  EXPECT_EQ(std::strlen(c->message), kText - 1);
   WriteRingCompletion(*m, 21, 0, 1, Status::InvalidArgument(std::string(500, 'y')));
-  EXPECT_EQ(std::strlen(m->ring_completion(21)->message), 223u);
+  EXPECT_EQ(std::strlen(m->ring_completion(21)->message), kText);
+  EXPECT_EQ(m->ring_completion(21)->reason, 0u);  // none given
   EXPECT_EQ(m->ring_completion(21), m->ring_completion(13));  // 21 % 8 == 13 % 8
 }
 
@@ -1181,7 +1184,7 @@ class RingDaemonTest : public ::testing::Test {
   Bound& OpenAndBind(bool want_ring = true, uint32_t lanes = 1) {
     Bound b;
     OpenSessionParams p;
-    p.protocol_version = 1;
+    p.protocol_version = v1::kProtocolVersion;
     p.client_pid = getpid();
     p.lanes = lanes;
     p.want_ring = want_ring;

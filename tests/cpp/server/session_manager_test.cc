@@ -167,7 +167,8 @@ TEST_F(SessionManagerTest, BindTwiceIsRefused) {
   ASSERT_EQ(reply.status_code, 0);
   close(memfd);
   int fd2 = Bind(s->id(), TokenOf(*s), &reply, &memfd);
-  EXPECT_EQ(reply.status_code, static_cast<int>(StatusCode::kFailedPrecondition));
+  EXPECT_EQ(reply.status_code, static_cast<int>(StatusCode::kInvalidArgument));
+  EXPECT_EQ(reply.reason, static_cast<uint32_t>(Reason::kMalformed));
   EXPECT_NE(std::string(reply.message).find("already bound"), std::string::npos);
   EXPECT_TRUE(testing::PeerClosed(fd2));
   EXPECT_TRUE(s->bound());  // the first binding stands
@@ -319,8 +320,14 @@ TEST_F(SessionManagerTest, OpenValidatesRequestAndLimits) {
   Init(PeerPolicy::ForThisProcess(std::nullopt), 5000, /*max_sessions=*/2);
   std::shared_ptr<Session> s;
   OpenSessionParams p = Params();
-  p.protocol_version = 2;
-  EXPECT_EQ(manager_->Open(p, &s).code(), StatusCode::kFailedPrecondition);
+  p.protocol_version = v1::kProtocolVersion - 1;
+  Status skew = manager_->Open(p, &s);
+  EXPECT_EQ(skew.reason(), Reason::kVersionMismatch);
+  // Both versions named, so whoever reads it knows which side to upgrade.
+  EXPECT_NE(skew.message().find("protocol version " + std::to_string(v1::kProtocolVersion - 1)), std::string::npos)
+      << skew.message();
+  EXPECT_NE(skew.message().find("protocol version " + std::to_string(v1::kProtocolVersion)), std::string::npos)
+      << skew.message();
   p = Params();
   p.gpu_uuid = "GPU-ffffffff-ffff-ffff-ffff-ffffffffffff";
   Status st = manager_->Open(p, &s);
@@ -342,7 +349,7 @@ TEST_F(SessionManagerTest, OpenValidatesRequestAndLimits) {
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
   EXPECT_NE(st.message().find("--max-sessions 2"), std::string::npos);
 
-  manager_->StopAccepting("draining");
+  manager_->StopAccepting(Status::Rejected(Reason::kDraining, "draining"));
   manager_->EndAll(Status::Unavailable("test"));
   st = manager_->Open(Params(), &s);
   EXPECT_EQ(st.code(), StatusCode::kUnavailable);
