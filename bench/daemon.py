@@ -45,29 +45,30 @@ def _protocol():
 
 
 def message_to_dict(msg) -> dict:
-    """Every field, defaults included (serving=False must show), as plain Python values."""
-    out = {}
-    for f in msg.DESCRIPTOR.fields:
-        v = getattr(msg, f.name)
-        repeated = getattr(f, "is_repeated", None)
-        repeated = repeated if repeated is not None else f.label == f.LABEL_REPEATED
-        if f.message_type is not None:
-            v = [message_to_dict(m) for m in v] if repeated else message_to_dict(v)
-        elif repeated:
-            v = list(v)
-        elif isinstance(v, bytes):
-            v = v.hex()
-        out[f.name] = v
-    return out
+    """Every field, defaults included, as plain values (the client's cache_dit_opd/_proto/plain.py)."""
+    global _plain
+    if _plain is None:
+        path = PYTHON_DIR / "cache_dit_opd" / "_proto" / "plain.py"
+        spec = importlib.util.spec_from_file_location("_bench_opd_plain", path)
+        _plain = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_plain)
+    return _plain.message_to_dict(msg)
+
+
+_plain = None
 
 
 class Daemon:
     """``<build>/server/cache-dit-opd`` on ``<workdir>/opd.sock``, logging to ``<workdir>/daemon.log``."""
 
-    def __init__(self, binary: Path, workdir: Path, device: int = 0, extra_flags: list[str] | None = None):
+    def __init__(self, binary: Path, workdir: Path, device: int = 0, extra_flags: list[str] | None = None,
+                 env: dict | None = None, socket: Path | None = None):
+        """``env``: variables set for the daemon on top of this process's (the fake-device daemon's knobs);
+        ``socket``: another path than ``<workdir>/opd.sock`` (``<dir>/<GPU UUID>.sock`` is found by discovery)."""
         self.binary = Path(binary)
+        self.env = env
         self.workdir = Path(workdir)
-        self.socket = self.workdir / "opd.sock"
+        self.socket = Path(socket) if socket else self.workdir / "opd.sock"
         self.address = f"unix:{self.socket}"
         self.log_path = self.workdir / "daemon.log"
         self.flags = ["--device", str(device), "--socket", str(self.socket), "--runtime-dir", str(self.workdir),
@@ -87,25 +88,28 @@ class Daemon:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, timeout: float = 60.0) -> "Daemon":
+    def start(self, timeout: float = 60.0, serving: bool = True) -> "Daemon":
+        """Starts it and waits until GetVersion answers; ``serving``: and says it serves (DaemonError if not)."""
         if not (self.binary.is_file() and os.access(self.binary, os.X_OK)):
             raise DaemonError(f"the daemon binary {self.binary} is not built (build it, or pass --build DIR)")
         _protocol()
+        self.workdir.mkdir(parents=True, exist_ok=True)
         for p in (self.socket, self.socket.with_name("opd.session.sock")):
             p.unlink(missing_ok=True)  # a stale socket of an earlier start in this directory
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
+            env = {**os.environ, **self.env} if self.env else None
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         self.starts += 1
         try:
-            self._wait_serving(timeout)
+            self._wait_serving(timeout, serving)
         except DaemonError:
             self.stop()
             raise
         return self
 
-    def _wait_serving(self, timeout: float) -> None:
+    def _wait_serving(self, timeout: float, serving: bool = True) -> None:
         deadline = time.monotonic() + timeout
         last = ""
         while True:
@@ -117,7 +121,7 @@ class Daemon:
             except Exception as e:  # noqa: BLE001  (not listening yet)
                 last = str(e).splitlines()[0] if str(e) else type(e).__name__
             else:
-                if v.serving:
+                if v.serving or not serving:
                     return
                 raise DaemonError(f"the daemon started but does not serve: {v.not_serving_reason or '?'} "
                                   f"(a CUDA device is needed); its log:\n{self.log_tail()}")
@@ -160,6 +164,12 @@ class Daemon:
                 return f.read().decode(errors="replace")
         except OSError:
             return ""
+
+    def kill(self) -> None:
+        """SIGKILL: the daemon dies at once, as after a crash."""
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(10)
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM (the daemon drains), then SIGKILL of this pid if it does not exit."""

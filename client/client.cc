@@ -1,7 +1,6 @@
+#include "client/opd_client.h"
+
 #include <grpcpp/grpcpp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -10,15 +9,12 @@
 #include <unordered_set>
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
-#include "client/core/cuda_backend.h"
-#include "client/core/monitor.h"
-#include "client/core/ring_producer.h"
 #include "client/core/session_channel.h"
+#include "client/core/session_engine.h"
 #include "client/discovery.h"
-#include "client/opd_client.h"
+#include "common/call_proto.h"
 #include "common/cuda/device_guard.h"
 #include "common/cuda/driver_api.h"
-#include "common/ring_encode.h"
 
 namespace cache_dit_opd::client {
 
@@ -27,7 +23,9 @@ using Clock = std::chrono::system_clock;
 
 namespace {
 
-Status FromGrpc(const grpc::Status& g, std::string_view what) {
+// The daemon's answer as a Status: its code, its message and the Reason it
+// put in the trailing metadata (none for errors of gRPC itself).
+Status FromGrpc(const grpc::Status& g, const grpc::ClientContext& ctx, std::string_view what) {
   if (g.ok()) return Status::Ok();
   const int code = static_cast<int>(g.error_code());
   StatusCode sc = StatusCode::kUnknown;
@@ -38,27 +36,15 @@ Status FromGrpc(const grpc::Status& g, std::string_view what) {
   } else if (code == grpc::StatusCode::DATA_LOSS) {
     sc = StatusCode::kInternal;
   }
-  return Status(sc, std::string(what) + ": " + g.error_message());
-}
-
-// Codes with which the daemon rejects one call but keeps the session and
-// the lane's sequence (it completes the number in order). Anything else may
-// mean the lane's numbering is no longer shared with the daemon
-// (UNAVAILABLE, DEADLINE_EXCEEDED, FAILED_PRECONDITION, PERMISSION_DENIED,
-// INTERNAL) or that the client's view of the session is stale (NOT_FOUND:
-// the session ended, or a region was evicted; unknown ops never reach the
-// daemon, Prepare checks the catalog), so the session is failed and the next
-// call opens a new one.
-bool KeepsSession(StatusCode c) {
-  switch (c) {
-    case StatusCode::kOk:
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kOutOfRange:
-    case StatusCode::kUnimplemented:
-      return true;
-    default:
-      return false;
+  Reason reason = Reason::kUnspecified;
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  if (auto it = trailers.find(pb::kReasonMetadataKey); it != trailers.end()) {
+    const std::string value(it->second.data(), it->second.size());
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(value.c_str(), &end, 10);
+    if (end != value.c_str() && *end == '\0') reason = ReasonFromWire(static_cast<uint32_t>(v));
   }
+  return Status(sc, std::string(what) + ": " + g.error_message(), reason);
 }
 
 Clock::time_point DeadlineIn(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
@@ -75,45 +61,6 @@ bool RingWantedByEnv() {
   return !(s == "0" || s == "false" || s == "off" || s == "no");
 }
 
-// The record arguments of an encoded call (the daemon decodes both forms
-// into the same CallRequest). False when they do not fit one record.
-bool ToRecord(const pb::CallRequest& req, RecordArgs* out) {
-  out->Clear();
-  for (const pb::Argument& a : req.args()) {
-    bool ok = false;
-    switch (a.value_case()) {
-      case pb::Argument::kTensor: {
-        const pb::TensorRef& t = a.tensor();
-        if (t.sizes_size() != t.strides_size()) return false;
-        ok = out->AddTensor(t.region_id(), t.byte_offset(), static_cast<DType>(static_cast<int>(t.dtype())),
-                            static_cast<size_t>(t.sizes_size()), t.sizes().data(), t.strides().data());
-        break;
-      }
-      case pb::Argument::kIntValue: ok = out->AddInt(a.int_value()); break;
-      case pb::Argument::kFloatValue: ok = out->AddFloat(a.float_value()); break;
-      case pb::Argument::kBoolValue: ok = out->AddBool(a.bool_value()); break;
-      case pb::Argument::kIntList:
-        ok = out->AddIntList(a.int_list().values().data(), a.int_list().values_size());
-        break;
-      case pb::Argument::kFloatList:
-        ok = out->AddFloatList(a.float_list().values().data(), a.float_list().values_size());
-        break;
-      case pb::Argument::kBoolList: {
-        const auto& v = a.bool_list().values();
-        bool b[kMaxListLength];
-        if (v.size() > kMaxListLength) return false;
-        std::copy(v.begin(), v.end(), b);
-        ok = out->AddBoolList(b, v.size());
-        break;
-      }
-      case pb::Argument::kNone: ok = out->AddNone(); break;
-      default: return false;
-    }
-    if (!ok) return false;
-  }
-  return true;
-}
-
 std::string OpName(std::string_view op, std::string_view overload) {
   std::string s(op);
   if (!overload.empty()) {
@@ -126,7 +73,7 @@ std::string OpName(std::string_view op, std::string_view overload) {
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// Session
+// Session: the control plane (gRPC) over one SessionEngine (the data plane).
 
 class Session final : public RegionRegistrar {
  public:
@@ -138,25 +85,22 @@ class Session final : public RegionRegistrar {
                   uint64_t* region_id) override;
   Status Unregister(uint64_t region_id) override;
 
-  Status Prepare(std::string_view op, std::string_view overload, const std::vector<Arg>& args,
-                 pb::CallRequest* req);
-  Status Issue(pb::CallRequest& req, cudaStream_t stream, const CallOptions& o);
+  Status Prepare(std::string_view op, std::string_view overload, const std::vector<Arg>& args, PreparedCall* out);
+  Status Issue(PreparedCall& call, cudaStream_t stream, const CallOptions& o);
 
-  bool failed() const { return core_->lanes->failed(); }
-  Status failure() const { return core_->lanes->failure(); }
-  void Fail(const Status& reason) { core_->lanes->Fail(reason); }
+  bool failed() const { return engine_->failed(); }
+  Status failure() const { return engine_->failure(); }
+  void Fail(const Status& reason) { engine_->Fail(reason); }
 
   uint64_t id() const { return info_.session_id; }
   const std::string& token() const { return token_; }
   const SessionInfo& info() const { return info_; }
-  pb::OperatorDaemon::Stub* stub() const { return stub_.get(); }
-  RegionCache& regions() { return *regions_; }
-  SessionCore& core() { return *core_; }
+  SessionEngine& engine() { return *engine_; }
 
  private:
   Session(const ClientOptions& o, std::shared_ptr<grpc::Channel> channel)
       : options_(o), channel_(std::move(channel)), stub_(pb::OperatorDaemon::NewStub(channel_)) {}
-  Status Init(const pb::OpenSessionReply& reply, const cuda::DriverApi* api, Clock::time_point deadline);
+  Status Init(const pb::OpenSessionReply& reply, Clock::time_point deadline);
   void Shutdown(int timeout_ms);
 
   const ClientOptions options_;
@@ -164,26 +108,16 @@ class Session final : public RegionRegistrar {
   std::unique_ptr<pb::OperatorDaemon::Stub> stub_;
   std::string token_;
   SessionInfo info_;
-  std::unordered_set<std::string> served_;  // "op.overload"
-  std::shared_ptr<SessionCore> core_;
-  bool watched_ = false;
-  std::unique_ptr<CudaAllocationBackend> backend_;
-  std::unique_ptr<RegionCache> regions_;
-  // With the ring: its producer (over core_->memory) and "op.overload" ->
-  // catalog index, the record's op_index.
-  std::unique_ptr<RingProducer> ring_;
-  std::unordered_map<std::string, uint32_t> op_index_;
+  std::unordered_map<std::string, uint32_t> op_index_;  // "op.overload" -> catalog index (a record's op_index)
+  bool use_ring_ = false;
+  std::shared_ptr<SessionEngine> engine_;
   std::atomic<bool> shut_down_{false};
 };
 
 Status Session::Open(const ClientOptions& o, const std::string& gpu_uuid, const DaemonAddress& addr,
                      const std::shared_ptr<grpc::Channel>& channel, std::shared_ptr<Session>* out) {
-  Status s;
-  const cuda::DriverApi* api = cuda::GetDriverApi(&s);
-  if (api == nullptr) return s;
   cuda::DeviceGuard guard(o.device);
   OPD_RETURN_IF_ERROR(guard.status());
-
   const Clock::time_point deadline = DeadlineIn(o.connect_timeout_ms);
   if (!channel->WaitForConnected(deadline)) {
     return Status::Unavailable("no cache-dit-opd daemon answers at ", addr.target, " (found via ",
@@ -202,18 +136,19 @@ Status Session::Open(const ClientOptions& o, const std::string& gpu_uuid, const 
   grpc::ClientContext ctx;
   ctx.set_deadline(deadline);
   grpc::Status g = session->stub_->OpenSession(&ctx, req, &reply);
-  if (!g.ok()) return FromGrpc(g, "OpenSession at " + addr.target);
+  if (!g.ok()) return FromGrpc(g, ctx, "OpenSession at " + addr.target);
   session->info_.session_id = reply.session_id();
   session->token_ = reply.token();
   session->info_.target = addr.target;
   session->info_.found_by = addr.source;
-  Status st = session->Init(reply, api, deadline);
+  session->use_ring_ = req.want_ring();
+  Status st = session->Init(reply, deadline);
   if (!st.ok()) return st;  // ~Session closes what Init opened, CloseSession included
   *out = std::move(session);
   return Status::Ok();
 }
 
-Status Session::Init(const pb::OpenSessionReply& reply, const cuda::DriverApi* api, Clock::time_point deadline) {
+Status Session::Init(const pb::OpenSessionReply& reply, Clock::time_point deadline) {
   const uint32_t wanted = options_.lanes == 0 ? 1 : options_.lanes;
   if (reply.session_id() == 0) return Status::Internal("OpenSession returned session id 0");
   if (token_.size() != pb::kTokenBytes) {
@@ -223,16 +158,15 @@ Status Session::Init(const pb::OpenSessionReply& reply, const cuda::DriverApi* a
     return Status::Internal("OpenSession granted ", reply.lanes(), " lanes for ", wanted, " requested");
   }
   if (reply.layout_version() != pb::kLayoutVersion) {
-    return Status::FailedPrecondition("the daemon's session memory layout is version ", reply.layout_version(),
-                                      ", this client speaks ", pb::kLayoutVersion,
-                                      "; install matching versions of the daemon and the client");
+    return Status::Rejected(Reason::kVersionMismatch, "the daemon's session memory layout is version ",
+                            reply.layout_version(), ", this client speaks ", pb::kLayoutVersion,
+                            "; install matching versions of the daemon and the client");
   }
   std::string expected_uuid;
   OPD_RETURN_IF_ERROR(DeviceUuid(options_.device, &expected_uuid));
   if (reply.gpu_uuid() != expected_uuid) {
-    return Status::FailedPrecondition("the daemon at ", info_.target, " serves ", reply.gpu_uuid(),
-                                      " but CUDA device ", options_.device, " of this process is ",
-                                      expected_uuid);
+    return Status::Rejected(Reason::kWrongDevice, "the daemon at ", info_.target, " serves ", reply.gpu_uuid(),
+                            " but CUDA device ", options_.device, " of this process is ", expected_uuid);
   }
   if (reply.session_channel_path().empty()) return Status::Internal("OpenSession returned no session channel path");
   info_.lanes = reply.lanes();
@@ -240,94 +174,30 @@ Status Session::Init(const pb::OpenSessionReply& reply, const cuda::DriverApi* a
   info_.daemon_device = reply.device_index();
   for (const pb::OpSchema& op : reply.catalog()) {
     info_.catalog.push_back(OpEntry{op.name(), op.overload(), op.schema()});
-    served_.insert(OpName(op.name(), op.overload()));
     op_index_.emplace(OpName(op.name(), op.overload()), static_cast<uint32_t>(info_.catalog.size() - 1));
   }
 
-  auto core = std::make_shared<SessionCore>();
-  core->session_id = reply.session_id();
-  core->device = options_.device;
-  core->api = api;
-  OPD_RETURN_IF_ERROR(ConnectSessionChannel(reply.session_channel_path(), &core->channel));
-  core_ = core;  // from here ~Session shuts the channel down
-
+  BoundSession bound;
+  bound.session_id = reply.session_id();
+  bound.lanes = reply.lanes();
+  OPD_RETURN_IF_ERROR(ConnectSessionChannel(reply.session_channel_path(), &bound.channel));
   int bind_ms = RemainingMs(deadline);
   if (reply.bind_timeout_ms() > 0) bind_ms = std::min<int>(bind_ms, static_cast<int>(reply.bind_timeout_ms()));
-  UniqueFd memfd;
-  uint64_t shm_bytes = 0;
-  OPD_RETURN_IF_ERROR(BindSession(core->channel.get(), reply.session_id(), token_, std::max(bind_ms, 1),
-                                  reply.shared_memory_bytes(), &memfd, &shm_bytes));
-
-  // The channel's peer is the daemon process (as seen from this pid
-  // namespace). A pidfd on it tells the monitor when the daemon is really
-  // gone, which is when releasing waits from the host becomes safe.
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (::getsockopt(core->channel.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.pid > 0) {
-    core->daemon_pid = cred.pid;
-#ifdef SYS_pidfd_open
-    const long pfd = ::syscall(SYS_pidfd_open, cred.pid, 0);
-    if (pfd >= 0) core->daemon_pidfd.reset(static_cast<int>(pfd));
-#endif
+  OPD_RETURN_IF_ERROR(BindSession(bound.channel.get(), reply.session_id(), token_, std::max(bind_ms, 1),
+                                  reply.shared_memory_bytes(), &bound.memfd, &bound.memory_bytes));
+  EngineOptions eo;
+  if (options_.call_timeout_ms > 0) eo.call_timeout = std::chrono::milliseconds(options_.call_timeout_ms);
+  OPD_RETURN_IF_ERROR(SessionEngine::Create(options_.device, std::move(bound), eo, this, &engine_));
+  use_ring_ = use_ring_ && reply.ring_enabled() && engine_->has_ring();
+  if (reply.ring_enabled() && !engine_->has_ring()) {
+    return Status::Internal("OpenSession granted the call ring but the session memory holds none");
   }
-
-  ExpectedLayout expect{reply.session_id(), reply.lanes(), shm_bytes};
-  OPD_RETURN_IF_ERROR(SessionMemory::Map(memfd.get(), expect, &core->memory));
-  memfd.reset();  // the mapping keeps the object alive
-
-  // Device-mapped so that this process's streams can write and wait on the
-  // semaphores; the device address may differ from the host address.
-  CUresult r = api->mem_host_register(core->memory->base(), core->memory->bytes(),
-                                      CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE);
-  if (r != CUDA_SUCCESS) {
-    return Status::Internal("cuMemHostRegister(session memory, ", core->memory->bytes(), " bytes): ",
-                            cuda::DriverErrorString(r));
-  }
-  core->host_registered = true;
-  CUdeviceptr dev = 0;
-  r = api->mem_host_get_device_pointer(&dev, core->memory->base(), 0);
-  if (r != CUDA_SUCCESS) {
-    return Status::Internal("cuMemHostGetDevicePointer(session memory): ", cuda::DriverErrorString(r));
-  }
-  core->ops = std::make_unique<CudaLaneOps>(api, options_.device, core->memory.get(), dev);
-  core->lanes = std::make_unique<LaneTable>(core->memory.get(), core->ops.get());
-  info_.transport = "grpc";
-  if (reply.ring_enabled()) {
-    const auto* h = static_cast<const v1::SessionMemoryHeader*>(core->memory->base());
-    if (h->ring_offset == 0 || h->ring_bytes == 0) {
-      return Status::Internal("OpenSession granted the call ring but the session memory holds none");
-    }
-    RingProducer::Options ro;
-    if (options_.call_timeout_ms > 0) ro.timeout = std::chrono::milliseconds(options_.call_timeout_ms);
-    // A wait ends when the monitor failed the lanes (daemon gone, session
-    // ended) or the daemon process exited.
-    SessionCore* c = core.get();
-    auto liveness = [c]() -> Status {
-      if (c->lanes->failed()) return c->lanes->failure();
-      if (c->daemon_pidfd.valid()) {
-        pollfd p{c->daemon_pidfd.get(), POLLIN, 0};
-        if (::poll(&p, 1, 0) > 0) return Status::Unavailable("the daemon process exited");
-      }
-      return Status::Ok();
-    };
-    OPD_RETURN_IF_ERROR(RingProducer::Open(static_cast<uint8_t*>(core->memory->base()) + h->ring_offset,
-                                           h->ring_bytes, ro, std::move(liveness), &ring_));
-    info_.transport = "ring";
-  }
-  backend_ = std::make_unique<CudaAllocationBackend>(api);
-  regions_ = std::make_unique<RegionCache>(backend_.get(), this, options_.device);
-  SessionMonitor* monitor = SessionMonitor::Get();
-  if (monitor == nullptr) return Status::Unavailable("the process is exiting");
-  monitor->Watch(core);
-  watched_ = true;
+  info_.transport = use_ring_ ? "ring" : "grpc";
   return Status::Ok();
 }
 
 void Session::Shutdown(int timeout_ms) {
   if (shut_down_.exchange(true)) return;
-  if (core_ && core_->lanes) {
-    core_->lanes->Fail(Status::FailedPrecondition("session ", id(), " was closed"));
-  }
   if (id() != 0) {
     // Asks the daemon to finish (or reject) every call it holds, writing
     // "done" past each, and to unmap our regions. Best effort: the daemon may
@@ -340,21 +210,8 @@ void Session::Shutdown(int timeout_ms) {
     ctx.set_deadline(DeadlineIn(std::max(timeout_ms, 1)));
     (void)stub_->CloseSession(&ctx, req, &reply);
   }
-  if (!core_) return;
-  // Half-close: the daemon reads end-of-file and ends the session, while the
-  // monitor still sees when the daemon closes its end.
-  if (core_->channel.valid()) ::shutdown(core_->channel.get(), SHUT_WR);
-  regions_.reset();
-  if (watched_) {
-    if (SessionMonitor* m = SessionMonitor::Get()) {
-      m->Retire(core_);
-    } else {
-      core_->Leak();  // process exit: streams may still reference it
-    }
-  }
-  // Not watched: Init failed before any stream used the memory; the core
-  // frees itself with the last reference.
-  core_.reset();
+  // Fails it, half-closes the channel, and hands the memory to the monitor.
+  if (engine_) engine_->Close();
 }
 
 Status Session::Register(const AllocationInfo& alloc, const std::array<uint8_t, 64>& handle,
@@ -371,8 +228,8 @@ Status Session::Register(const AllocationInfo& alloc, const std::array<uint8_t, 
   ctx.set_deadline(DeadlineIn(options_.rpc_timeout_ms));
   grpc::Status g = stub_->RegisterRegion(&ctx, req, &reply);
   if (!g.ok()) {
-    Status s = FromGrpc(g, "RegisterRegion");
-    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) Fail(s);
+    Status s = FromGrpc(g, ctx, "RegisterRegion");
+    if (s.action() == v1::ClientAction::kReconnect || s.action() == v1::ClientAction::kFail) Fail(s);
     return s;
   }
   if (reply.region_id() == 0) return Status::Internal("RegisterRegion returned region id 0");
@@ -388,117 +245,113 @@ Status Session::Unregister(uint64_t region_id) {
   pb::UnregisterRegionReply reply;
   grpc::ClientContext ctx;
   ctx.set_deadline(DeadlineIn(options_.rpc_timeout_ms));
-  return FromGrpc(stub_->UnregisterRegion(&ctx, req, &reply), "UnregisterRegion");
+  return FromGrpc(stub_->UnregisterRegion(&ctx, req, &reply), ctx, "UnregisterRegion");
 }
 
 Status Session::Prepare(std::string_view op, std::string_view overload, const std::vector<Arg>& args,
-                        pb::CallRequest* req) {
+                        PreparedCall* out) {
   const std::string name = OpName(op, overload);
-  if (served_.count(name) == 0) {
+  const auto op_it = op_index_.find(name);
+  if (op_it == op_index_.end()) {
     std::ostringstream known;
     for (const OpEntry& e : info_.catalog) {
       if (!e.overload.empty()) known << " " << e.name << "." << e.overload;
     }
-    return Status::NotFound("the daemon does not serve cache_dit_cuda_ops::", name, "; it serves:", known.str());
+    return Status::Rejected(Reason::kOpUnknown, "the daemon does not serve cache_dit_cuda_ops::", name,
+                            "; it serves:", known.str());
   }
   if (args.size() > static_cast<size_t>(kMaxArgs)) {
-    return Status::InvalidArgument(name, ": ", args.size(), " arguments, at most ", kMaxArgs);
+    return Status::Rejected(Reason::kBadArgument, name, ": ", args.size(), " arguments, at most ", kMaxArgs);
   }
-  req->Clear();
-  req->set_session_id(id());
-  req->set_token(token_);
-  req->set_op(std::string(op));
-  req->set_overload(std::string(overload));
+  CallRequest& call = out->call_;
+  call = CallRequest{};
+  call.op = std::string(op);
+  call.overload = std::string(overload);
+  call.args.reserve(args.size());
   for (size_t i = 0; i < args.size(); ++i) {
-    pb::Argument* a = req->add_args();
     const Arg& arg = args[i];
-    auto list_ok = [&](size_t n) -> Status {
+    const auto list_ok = [&](size_t n) -> Status {
       if (n > static_cast<size_t>(kMaxListLength)) {
-        return Status::InvalidArgument(name, ": argument ", i, " is a list of ", n, " values, at most ",
-                                       kMaxListLength);
+        return Status::Rejected(Reason::kBadArgument, name, ": argument ", i, " is a list of ", n,
+                                " values, at most ", kMaxListLength);
       }
       return Status::Ok();
     };
-    if (std::holds_alternative<NoneArg>(arg)) {
-      a->mutable_none();
-    } else if (const auto* t = std::get_if<TensorView>(&arg)) {
+    if (const auto* t = std::get_if<TensorView>(&arg)) {
       if (t->data == nullptr) {
-        return Status::InvalidArgument(name, ": tensor argument ", i, " has no data pointer");
+        return Status::Rejected(Reason::kBadArgument, name, ": tensor argument ", i, " has no data pointer");
       }
+      const std::string where = name + ": tensor argument " + std::to_string(i) + ": ";
       ResolvedRegion region;
-      Status s = regions_->Resolve(t->data, &region);
-      if (!s.ok()) return Status(s.code(), name + ": tensor argument " + std::to_string(i) + ": " + s.message());
+      Status s = engine_->ResolveRegion(t->data, &region);
+      if (!s.ok()) return s.Annotated(where);
       TensorRef ref;
       s = MakeTensorRef(*t, region.alloc, region.region_id, &ref);
-      if (!s.ok()) return Status(s.code(), name + ": tensor argument " + std::to_string(i) + ": " + s.message());
-      pb::TensorRef* w = a->mutable_tensor();
-      w->set_region_id(ref.region_id);
-      w->set_byte_offset(ref.byte_offset);
-      for (int64_t v : ref.sizes) w->add_sizes(v);
-      for (int64_t v : ref.strides) w->add_strides(v);
-      // common/call.h fixes DType's values to the proto enum's.
-      w->set_dtype(static_cast<pb::DType>(static_cast<int>(ref.dtype)));
+      if (!s.ok()) return s.Annotated(where);
+      call.args.emplace_back(std::move(ref));
+    } else if (std::holds_alternative<NoneArg>(arg)) {
+      call.args.emplace_back(NoneArg{});
     } else if (const auto* v = std::get_if<int64_t>(&arg)) {
-      a->set_int_value(*v);
+      call.args.emplace_back(*v);
     } else if (const auto* d = std::get_if<double>(&arg)) {
-      a->set_float_value(*d);
+      call.args.emplace_back(*d);
     } else if (const auto* b = std::get_if<bool>(&arg)) {
-      a->set_bool_value(*b);
+      call.args.emplace_back(*b);
     } else if (const auto* il = std::get_if<std::vector<int64_t>>(&arg)) {
       OPD_RETURN_IF_ERROR(list_ok(il->size()));
-      for (int64_t x : *il) a->mutable_int_list()->add_values(x);
+      call.args.emplace_back(*il);
     } else if (const auto* fl = std::get_if<std::vector<double>>(&arg)) {
       OPD_RETURN_IF_ERROR(list_ok(fl->size()));
-      for (double x : *fl) a->mutable_float_list()->add_values(x);
+      call.args.emplace_back(*fl);
     } else if (const auto* bl = std::get_if<std::vector<bool>>(&arg)) {
       OPD_RETURN_IF_ERROR(list_ok(bl->size()));
-      for (bool x : *bl) a->mutable_bool_list()->add_values(x);
+      call.args.emplace_back(*bl);
     }
   }
+  // Encoded once for the transport: a ring record when it fits one, the
+  // gRPC message otherwise (the daemon decodes both into the same call).
+  out->op_index_ = op_it->second;
+  out->ring_ = use_ring_ && out->record_.AssignCall(call.args);
+  if (!out->ring_) {
+    out->request_.Clear();
+    out->request_.set_session_id(id());
+    out->request_.set_token(token_);
+    CallToProto(call, &out->request_);
+  }
+  out->session_id_ = id();
   return Status::Ok();
 }
 
-Status Session::Issue(pb::CallRequest& req, cudaStream_t stream, const CallOptions& o) {
-  cuda::DeviceGuard guard(options_.device);
-  OPD_RETURN_IF_ERROR(guard.status());
+Status Session::Issue(PreparedCall& call, cudaStream_t stream, const CallOptions& o) {
   const int timeout_ms = o.timeout_ms < 0 ? options_.call_timeout_ms : o.timeout_ms;
   IssueOptions io;
   io.signal_inputs_ready = o.signal_inputs_ready;
   io.wait_done = o.wait_done;
-  RecordArgs record;
-  auto op = op_index_.find(OpName(req.op(), req.overload()));
-  if (ring_ && op != op_index_.end() && ToRecord(req, &record)) {
-    return core_->lanes->Issue(stream, io, [&](uint32_t lane, uint64_t seq) -> Status {
-      RingCompletion answer;
-      uint64_t ticket = 0;
-      Status s = ring_->Publish(lane, seq, op->second, record, &answer, nullptr, 0, &ticket);
-      if (s.ok()) s = ring_->Wait(ticket, &answer, std::chrono::milliseconds(timeout_ms));
-      if (s.ok() && answer.code != 0) {
-        s = Status(static_cast<StatusCode>(answer.code),
-                   "Call " + OpName(req.op(), req.overload()) + ": " + answer.message);
-      }
-      if (!KeepsSession(s.code())) {
-        Fail(Status(s.code(), s.message() + " (session " + std::to_string(id()) +
-                                  " failed; the next call opens a new one)"));
-      }
-      return s;
+  const std::string name = OpName(call.op(), call.overload());
+  Status s;
+  if (call.ring_) {
+    CallAnswer answer;
+    std::vector<uint64_t> regions;
+    for (const cache_dit_opd::Arg& a : call.call_.args) {
+      if (const auto* t = std::get_if<TensorRef>(&a)) regions.push_back(t->region_id);
+    }
+    s = engine_->CallRing(stream, call.op_index_, call.record_, /*asynchronous=*/false, regions, io, &answer);
+    if (s.ok()) s = answer.status().Annotated("Call " + name + ": ");
+  } else {
+    s = engine_->CallWith(stream, io, [&](uint32_t lane, uint64_t seq) -> Status {
+      call.request_.set_lane(lane);
+      call.request_.set_seq(seq);
+      grpc::ClientContext ctx;
+      if (timeout_ms > 0) ctx.set_deadline(DeadlineIn(timeout_ms));
+      pb::CallReply reply;
+      return FromGrpc(stub_->Call(&ctx, call.request_, &reply), ctx, "Call " + name);
     });
   }
-  return core_->lanes->Issue(stream, io, [&](uint32_t lane, uint64_t seq) -> Status {
-    req.set_lane(lane);
-    req.set_seq(seq);
-    grpc::ClientContext ctx;
-    if (timeout_ms > 0) ctx.set_deadline(DeadlineIn(timeout_ms));
-    pb::CallReply reply;
-    grpc::Status g = stub_->Call(&ctx, req, &reply);
-    if (g.ok()) return Status::Ok();
-    Status s = FromGrpc(g, "Call " + OpName(req.op(), req.overload()));
-    if (!KeepsSession(s.code())) {
-      Fail(Status(s.code(), s.message() + " (session " + std::to_string(id()) +
-                                " failed; the next call opens a new one)"));
-    }
-    return s;
-  });
+  const v1::ClientAction action = s.action();
+  if (action == v1::ClientAction::kReconnect || action == v1::ClientAction::kFail) {
+    Fail(s.Annotated("", " (session " + std::to_string(id()) + " failed; the next call opens a new one)"));
+  }
+  return s;
 }
 
 // ---------------------------------------------------------------------------
@@ -615,22 +468,47 @@ Status Client::LastSessionError() const {
   return last_session_error_;
 }
 
+bool Client::Recover(const std::shared_ptr<Session>& s, const PreparedCall& call, const Status& status) {
+  switch (status.action()) {
+    case v1::ClientAction::kReregister: {
+      // The daemon no longer knows a region of this call (evicted): forget
+      // the call's cached allocations so that preparing again registers them.
+      std::vector<uint64_t> ids;
+      for (const cache_dit_opd::Arg& a : call.call_.args) {
+        if (const auto* t = std::get_if<TensorRef>(&a)) ids.push_back(t->region_id);
+      }
+      s->engine().regions().ForgetIds(ids);
+      return true;
+    }
+    case v1::ClientAction::kReconnect:
+      Drop(s);
+      return options_.reconnect;
+    case v1::ClientAction::kFail:
+      Drop(s);
+      return false;
+    default:
+      if (s->failed()) Drop(s);
+      return false;
+  }
+}
+
 Status Client::Call(std::string_view op, std::string_view overload, const std::vector<Arg>& args,
                     cudaStream_t stream, const CallOptions& options) {
-  std::shared_ptr<Session> s;
-  OPD_RETURN_IF_ERROR(CurrentSession(&s));
-  pb::CallRequest req;
-  {
-    cuda::DeviceGuard guard(options_.device);
-    OPD_RETURN_IF_ERROR(guard.status());
-    Status st = s->Prepare(op, overload, args, &req);
-    if (!st.ok()) {
-      if (s->failed()) Drop(s);
-      return st;
+  Status st;
+  // Once more at most: after a re-registration, or on a new session when the
+  // call did not run (wire.h's actions, the same rule as the Python client's).
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::shared_ptr<Session> s;
+    OPD_RETURN_IF_ERROR(CurrentSession(&s));
+    PreparedCall call;
+    {
+      cuda::DeviceGuard guard(options_.device);
+      OPD_RETURN_IF_ERROR(guard.status());
+      st = s->Prepare(op, overload, args, &call);
     }
+    if (st.ok()) st = s->Issue(call, stream, options);
+    if (st.ok() || !Recover(s, call, st)) return st;
   }
-  Status st = s->Issue(req, stream, options);
-  if (!st.ok() && s->failed()) Drop(s);
   return st;
 }
 
@@ -641,7 +519,7 @@ Status Client::Prepare(std::string_view op, std::string_view overload, const std
   cuda::DeviceGuard guard(options_.device);
   OPD_RETURN_IF_ERROR(guard.status());
   PreparedCall pc;
-  Status st = s->Prepare(op, overload, args, &pc.request_);
+  Status st = s->Prepare(op, overload, args, &pc);
   if (!st.ok()) {
     if (s->failed()) Drop(s);
     return st;
@@ -663,7 +541,7 @@ Status Client::CallPrepared(PreparedCall& call, cudaStream_t stream, const CallO
                                       " was prepared in session ", call.session_id(),
                                       ", which has ended; prepare it again");
   }
-  Status st = s->Issue(call.request_, stream, options);
+  Status st = s->Issue(call, stream, options);
   if (!st.ok() && s->failed()) Drop(s);
   return st;
 }
@@ -671,7 +549,7 @@ Status Client::CallPrepared(PreparedCall& call, cudaStream_t stream, const CallO
 Status Client::ForgetAllocation(const void* ptr) {
   std::shared_ptr<Session> s = Peek();
   if (!s) return Status::NotFound("no session, nothing registered");
-  return s->regions().Forget(ptr);
+  return s->engine().regions().Forget(ptr);
 }
 
 Status Client::PruneRegions(size_t* removed) {
@@ -680,12 +558,12 @@ Status Client::PruneRegions(size_t* removed) {
   if (!s) return Status::Ok();
   cuda::DeviceGuard guard(options_.device);
   OPD_RETURN_IF_ERROR(guard.status());
-  return s->regions().Prune(removed);
+  return s->engine().regions().Prune(removed);
 }
 
 void Client::ForgetStream(cudaStream_t stream) {
   std::shared_ptr<Session> s = Peek();
-  if (s) s->core().lanes->Forget(KeyOfStream(stream));
+  if (s) s->engine().lanes().Forget(KeyOfStream(stream));
 }
 
 Status Client::GetVersion(pb::VersionReply* out) {
@@ -699,7 +577,7 @@ Status Client::GetVersion(pb::VersionReply* out) {
   auto stub = pb::OperatorDaemon::NewStub(ChannelFor(addr.target));
   grpc::ClientContext ctx;
   ctx.set_deadline(DeadlineIn(options_.rpc_timeout_ms));
-  return FromGrpc(stub->GetVersion(&ctx, pb::VersionRequest(), out), "GetVersion at " + addr.target);
+  return FromGrpc(stub->GetVersion(&ctx, pb::VersionRequest(), out), ctx, "GetVersion at " + addr.target);
 }
 
 Status Client::GetStats(bool this_session_only, pb::StatsReply* out) {
@@ -725,7 +603,7 @@ Status Client::GetStats(bool this_session_only, pb::StatsReply* out) {
   auto stub = pb::OperatorDaemon::NewStub(ChannelFor(target));
   grpc::ClientContext ctx;
   ctx.set_deadline(DeadlineIn(options_.rpc_timeout_ms));
-  return FromGrpc(stub->GetStats(&ctx, req, out), "GetStats");
+  return FromGrpc(stub->GetStats(&ctx, req, out), ctx, "GetStats");
 }
 
 Status Client::Close() {
@@ -750,36 +628,33 @@ SessionInfo Client::session_info() const {
 
 size_t Client::region_count() const {
   std::shared_ptr<Session> s = Peek();
-  return s ? s->regions().size() : 0;
+  return s ? s->engine().regions().size() : 0;
 }
 
 int Client::LaneOfStream(cudaStream_t stream) {
   std::shared_ptr<Session> s = Peek();
   if (!s) return -1;
-  return static_cast<int>(s->core().lanes->LaneOf(KeyOfStream(stream)));
+  return static_cast<int>(s->engine().lanes().LaneOf(KeyOfStream(stream)));
 }
 
 Status Client::InspectLane(uint32_t lane, LaneState* out) const {
   std::shared_ptr<Session> s = Peek();
   if (!s) return Status::FailedPrecondition("no session");
-  SessionCore& c = s->core();
-  if (lane >= c.memory->lane_count()) {
-    return Status::InvalidArgument("lane ", lane, " of ", c.memory->lane_count());
-  }
-  out->issued = c.lanes->issued(lane);
-  out->inputs_ready = LoadSemaphore(&c.memory->lane(lane)->inputs_ready);
-  out->done = LoadSemaphore(&c.memory->lane(lane)->done);
+  SessionEngine& e = s->engine();
+  if (lane >= e.lane_count()) return Status::InvalidArgument("lane ", lane, " of ", e.lane_count());
+  const SessionEngine::LaneState st = e.lane_state(lane);
+  out->issued = st.issued;
+  out->inputs_ready = st.inputs_ready;
+  out->done = st.done;
   return Status::Ok();
 }
 
 Status Client::RaiseInputsReadyFromHost(uint32_t lane, uint64_t value) {
   std::shared_ptr<Session> s = Peek();
   if (!s) return Status::FailedPrecondition("no session");
-  SessionCore& c = s->core();
-  if (lane >= c.memory->lane_count()) {
-    return Status::InvalidArgument("lane ", lane, " of ", c.memory->lane_count());
-  }
-  RaiseSemaphore(&c.memory->lane(lane)->inputs_ready, value);
+  SessionEngine& e = s->engine();
+  if (lane >= e.lane_count()) return Status::InvalidArgument("lane ", lane, " of ", e.lane_count());
+  e.RaiseInputsReadyFromHost(lane, value);
   return Status::Ok();
 }
 

@@ -23,13 +23,10 @@
 //     kernel starts;
 //   - after the call, `stream` waits for "done": everything enqueued on
 //     `stream` after Call starts only after the daemon's kernel finished.
-//   Call returns when the daemon answers the RPC: the daemon enqueues a
-//   call only after it has seen "inputs ready" on the host, and answers once
-//   the call is enqueued (or rejected), so Call blocks the calling thread
-//   until `stream` has finished the work enqueued before it, but never until
-//   the kernel itself ran. Do not make that earlier work depend on
-//   something this thread enqueues after Call returns. Outputs are
-//   caller-allocated: a Call never allocates or frees GPU memory.
+//   Call returns when the daemon has accepted the call (decoded it, checked
+//   every view against its region and run the op's own checks) or rejected
+//   it; it never waits for `stream`'s earlier work or for the kernel.
+//   Outputs are caller-allocated: a Call never allocates or frees GPU memory.
 //
 // Memory contract:
 //   - Tensors must be device memory of the client's device allocated with
@@ -44,19 +41,23 @@
 //     mapping stops pinning it.
 //
 // Failure contract:
-//   - Errors are Status values (common/status.h), never exceptions. Invalid
-//     calls come back INVALID_ARGUMENT / NOT_FOUND with the daemon's message
-//     and leave the session usable.
+//   - Errors are Status values (common/status.h), never exceptions, each
+//     with the daemon's Reason; what the client does about one is
+//     Status::action() (proto/cache_dit_opd/v1/wire.h), the same rule as the
+//     Python client's: kRaiseValue / kRaise come back to the caller and leave
+//     the session usable; kReregister (a region the daemon no longer knows)
+//     re-registers the call's allocations and runs it once more; kReconnect
+//     fails the session and runs the call once more on a new one (it did not
+//     run); kFail fails the session and comes back.
 //   - When the daemon dies (its process exits), the client raises every
 //     lane's "done" to the last number it issued from the host, so no
 //     stream of this process waits forever, and fails the session: calls in
 //     flight return UNAVAILABLE. When the daemon only ends the session (its
 //     end of the session channel closes), the session fails at once and the
 //     daemon completes the numbers it received; the client releases the rest
-//     from the host after a grace period (client/core/monitor.h). A transport
-//     error (UNAVAILABLE, DEADLINE_EXCEEDED, ...) or NOT_FOUND also fails the
-//     session. The next call opens a new session (ClientOptions::reconnect);
-//     LastSessionError() says why the previous one failed.
+//     from the host after a grace period (client/core/monitor.h). The next
+//     call opens a new session (ClientOptions::reconnect); LastSessionError()
+//     says why the previous one failed.
 //   - Destroy a Client only when no call on it is in flight.
 //   - A session's shared memory stays mapped until every stream that waited
 //     on it has passed those waits (tracked with events, freed by a
@@ -83,6 +84,7 @@
 #include "cache_dit_opd/v1/opd.pb.h"
 #include "client/core/regions.h"
 #include "common/call.h"
+#include "common/ring_encode.h"
 #include "common/status.h"
 
 namespace cache_dit_opd::client {
@@ -155,9 +157,10 @@ struct LaneState {
 // PreparedCall
 //
 // A call whose arguments were resolved (regions registered) and encoded
-// once, for callers that repeat the same call: CallPrepared only fills in
-// the lane and sequence number. Bound to the session it was prepared in;
-// after a reconnect it fails FAILED_PRECONDITION and must be prepared again.
+// once, for the session's transport (a ring record, or the gRPC message),
+// for callers that repeat the same call: CallPrepared only fills in the lane
+// and sequence number. Bound to the session it was prepared in; after a
+// reconnect it fails FAILED_PRECONDITION and must be prepared again.
 class PreparedCall {
  public:
   PreparedCall();
@@ -165,13 +168,19 @@ class PreparedCall {
   PreparedCall(PreparedCall&&) noexcept;
   PreparedCall& operator=(PreparedCall&&) noexcept;
 
-  const std::string& op() const { return request_.op(); }
-  const std::string& overload() const { return request_.overload(); }
-  uint64_t session_id() const { return request_.session_id(); }
+  const std::string& op() const { return call_.op; }
+  const std::string& overload() const { return call_.overload; }
+  uint64_t session_id() const { return session_id_; }
 
  private:
   friend class Client;
-  cache_dit_opd::v1::CallRequest request_;
+  friend class Session;
+  CallRequest call_;                       // what travels, as every transport carries it
+  RecordArgs record_;                      // its ring record, when the call goes through the ring
+  uint32_t op_index_ = 0;                  // its catalog index (ring)
+  bool ring_ = false;
+  cache_dit_opd::v1::CallRequest request_;  // its gRPC message, when it goes over gRPC
+  uint64_t session_id_ = 0;
   std::weak_ptr<Session> session_;
 };
 
@@ -274,6 +283,9 @@ class Client {
   Status CurrentSession(std::shared_ptr<Session>* out);
   std::shared_ptr<Session> Peek() const;
   void Drop(const std::shared_ptr<Session>& s);
+  // What a failed call's status asks for (wire.h's action): re-register, or
+  // drop the session; true when the call may run once more.
+  bool Recover(const std::shared_ptr<Session>& s, const PreparedCall& call, const Status& status);
 
   const ClientOptions options_;
   std::string gpu_uuid_;

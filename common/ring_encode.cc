@@ -1,5 +1,6 @@
 #include "common/ring_encode.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace cache_dit_opd::client {
@@ -16,15 +17,52 @@ void RecordArgs::Header(v1::RingArgKind kind, uint32_t count) {
 }
 
 void RecordArgs::Put(const void* p, size_t n) {
-  std::memcpy(buf_ + size_, p, n);
+  // A 0-dim tensor's sizes or an empty list may come as a null pointer, which
+  // memcpy must never see, even for 0 bytes.
+  if (n != 0) std::memcpy(buf_ + size_, p, n);
   size_ += n;
 }
 
 bool RecordArgs::AssignEncoded(const uint8_t* bytes, size_t n, uint32_t count) {
   if (n > kCapacity || count > static_cast<uint32_t>(kMaxArgs)) return false;
-  std::memcpy(buf_, bytes, n);
+  if (n != 0) std::memcpy(buf_, bytes, n);
   size_ = n;
   count_ = count;
+  return true;
+}
+
+bool RecordArgs::AssignCall(const std::vector<Arg>& args) {
+  Clear();
+  for (const Arg& arg : args) {
+    bool ok = false;
+    if (std::holds_alternative<NoneArg>(arg)) {
+      ok = AddNone();
+    } else if (const auto* t = std::get_if<TensorRef>(&arg)) {
+      ok = t->sizes.size() == t->strides.size() &&
+           AddTensor(t->region_id, t->byte_offset, t->dtype, t->sizes.size(), t->sizes.data(), t->strides.data());
+    } else if (const auto* v = std::get_if<int64_t>(&arg)) {
+      ok = AddInt(*v);
+    } else if (const auto* d = std::get_if<double>(&arg)) {
+      ok = AddFloat(*d);
+    } else if (const auto* b = std::get_if<bool>(&arg)) {
+      ok = AddBool(*b);
+    } else if (const auto* il = std::get_if<std::vector<int64_t>>(&arg)) {
+      ok = AddIntList(il->data(), il->size());
+    } else if (const auto* fl = std::get_if<std::vector<double>>(&arg)) {
+      ok = AddFloatList(fl->data(), fl->size());
+    } else if (const auto* bl = std::get_if<std::vector<bool>>(&arg)) {
+      bool b[kMaxListLength];
+      ok = bl->size() <= static_cast<size_t>(kMaxListLength);
+      if (ok) {
+        std::copy(bl->begin(), bl->end(), b);
+        ok = AddBoolList(b, bl->size());
+      }
+    }
+    if (!ok) {
+      Clear();
+      return false;
+    }
+  }
   return true;
 }
 

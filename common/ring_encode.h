@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cache_dit_opd/v1/ring.h"
 #include "common/call.h"
@@ -40,6 +41,10 @@ class RecordArgs {
   // _ring.encode_args); false when they cannot fit one record. The bytes are
   // the daemon's to validate, as every record's are.
   bool AssignEncoded(const uint8_t* bytes, size_t n, uint32_t count);
+
+  // Every argument of a call, in order; false (and cleared) when they do not
+  // fit one record. (Tensors as they are: region, offset, view, dtype.)
+  bool AssignCall(const std::vector<Arg>& args);
 
   void Clear() { size_ = 0; count_ = 0; }
   const uint8_t* data() const { return buf_; }

@@ -14,6 +14,11 @@
 #           host's 2.11.0+cu130), grpcio, grpcio-tools, protobuf, pytest,
 #           numpy, matplotlib, psutil. A stamp file in the venv records the
 #           requirement set; pip runs only when it differs.
+#   client  the Python client into the venv, `pip install --no-build-isolation
+#           ./python`: with its native engine built against the venv's torch
+#           when CMake, a compiler and the CUDA toolkit are here, else the
+#           pure-Python client (python/setup.py says which). A stamp of the
+#           sources it is built from skips it when nothing changed.
 # No GPU is needed. Override the torch requirement with CACHE_DIT_TORCH_SPEC.
 set -euo pipefail
 
@@ -105,7 +110,31 @@ EOF
   printf '%s\n' "$want" > "$stamp"
 }
 
+install_client() {
+  local stamp want
+  stamp="$VENV/.cache-dit-client"
+  want="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+  if git -C "$ROOT" rev-parse --git-dir > /dev/null 2>&1; then
+    want+=" $( (git -C "$ROOT" ls-files -s python client common proto cmake CMakeLists.txt;
+                git -C "$ROOT" diff HEAD -- python client common proto cmake CMakeLists.txt) | sha1sum | cut -c1-16)"
+  else
+    want+=" $(date +%s)"  # not a checkout: always reinstall
+  fi
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    log "client: $VENV has the client of these sources; skipped"
+    return
+  fi
+  log "client: pip install --no-build-isolation ./python (builds the native engine, ~30 s)"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+    --force-reinstall "$ROOT/python"
+  (cd / && env -u PYTHONPATH -u CACHE_DIT_OPD_BUILD_DIR "$VENV/bin/python" -c '
+from cache_dit_opd import _native as n
+lib = n.library()
+print("install.sh: client: native engine " + (lib.path if lib else "NOT available (%s): calls go over gRPC" % n.load_error()))')
+  printf '%s\n' "$want" > "$stamp"
+}
+
 START=$SECONDS
 if [ "$DO_APT" -eq 1 ]; then install_apt; else log "apt: skipped (--no-apt)"; fi
-if [ "$DO_PY" -eq 1 ]; then install_python; else log "python: skipped (--no-python)"; fi
+if [ "$DO_PY" -eq 1 ]; then install_python; install_client; else log "python: skipped (--no-python)"; fi
 log "done in $((SECONDS - START)) s (venv: $VENV)"

@@ -17,7 +17,7 @@ std::string Hex(uint64_t v) {
 
 }  // namespace
 
-CudaLaneOps::CudaLaneOps(const cuda::DriverApi* api, int device, const SessionMemory* memory,
+CudaLaneOps::CudaLaneOps(const cuda::DriverApi* api, int device, const SessionMapping* memory,
                          uint64_t device_base)
     : api_(api), device_(device), memory_(memory), device_base_(device_base),
       events_(memory->lane_count(), nullptr) {}

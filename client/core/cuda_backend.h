@@ -26,7 +26,7 @@ namespace cache_dit_opd::client {
 class CudaLaneOps final : public LaneStreamOps {
  public:
   // `device_base`: device address of `memory->base()` (cuMemHostGetDevicePointer).
-  CudaLaneOps(const cuda::DriverApi* api, int device, const SessionMemory* memory, uint64_t device_base);
+  CudaLaneOps(const cuda::DriverApi* api, int device, const SessionMapping* memory, uint64_t device_base);
   // Destroys the fence events; only once no stream can still wait on them
   // (FencesPassed()), else call Leak() first.
   ~CudaLaneOps() override;
@@ -36,16 +36,14 @@ class CudaLaneOps final : public LaneStreamOps {
   Status RecordFence(void* stream, uint32_t lane) override;
   Status WaitFence(void* stream, uint32_t lane) override;
 
-  // 1: every recorded fence has completed (every stream passed its lane
-  // operations); 0: some have not yet; -1: a query failed (broken context or
-  // runtime shut down), nothing can be proven.
-  int FencesPassed() const;
-  void Leak() { leak_ = true; }
+  // -1 also when a query failed (broken context or runtime shut down).
+  int FencesPassed() const override;
+  void Leak() override { leak_ = true; }
 
  private:
   const cuda::DriverApi* api_;
   int device_;
-  const SessionMemory* memory_;
+  const SessionMapping* memory_;
   uint64_t device_base_;
   // One per lane, created on first use; guarded by the lane's mutex in
   // LaneTable (only Issue touches them), read by FencesPassed after the

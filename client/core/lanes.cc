@@ -16,7 +16,7 @@ StreamKey KeyOfStream(void* stream) {
   return k;
 }
 
-LaneTable::LaneTable(SessionMemory* memory, LaneStreamOps* ops)
+LaneTable::LaneTable(SessionMapping* memory, LaneStreamOps* ops)
     : memory_(memory), ops_(ops), lane_count_(memory->lane_count()), lanes_(new Lane[lane_count_]) {}
 
 uint32_t LaneTable::LaneOf(const StreamKey& key) {

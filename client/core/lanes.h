@@ -71,6 +71,12 @@ class LaneStreamOps {
   virtual Status RecordFence(void* stream, uint32_t lane) = 0;
   // `stream`: wait for the lane's last recorded fence.
   virtual Status WaitFence(void* stream, uint32_t lane) = 0;
+  // 1: every recorded fence has completed (no stream can still wait on the
+  // lanes' memory); 0: some have not yet; -1: unknowable.
+  virtual int FencesPassed() const { return 1; }
+  // Keep whatever the fences hold for the process's life (a stream may still
+  // need it and nothing can prove otherwise).
+  virtual void Leak() {}
 };
 
 // IssueOptions
@@ -90,7 +96,7 @@ class LaneTable {
   using SendFn = std::function<Status(uint32_t lane, uint64_t seq)>;
 
   // `memory` holds `memory->lane_count()` lanes; both outlive the table.
-  LaneTable(SessionMemory* memory, LaneStreamOps* ops);
+  LaneTable(SessionMapping* memory, LaneStreamOps* ops);
 
   uint32_t lane_count() const { return lane_count_; }
 
@@ -163,7 +169,7 @@ class LaneTable {
   };
   void RaiseLaneDone(uint32_t lane, uint64_t issued);
 
-  SessionMemory* memory_;
+  SessionMapping* memory_;
   LaneStreamOps* ops_;
   uint32_t lane_count_;
   std::unique_ptr<Lane[]> lanes_;

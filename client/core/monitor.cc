@@ -5,47 +5,31 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "client/core/session_engine.h"
+
 namespace cache_dit_opd::client {
 
 using Clock = std::chrono::steady_clock;
 
-SessionCore::~SessionCore() {
-  // The lane table references memory and ops: destroy it first.
-  lanes.reset();
-  if (leak_) {
-    if (ops) ops->Leak();
-    if (memory) memory->Leak();
-    // Intentionally keep the CUDA registration and the pages.
-    ops.release();
-    memory.release();
-    return;
-  }
-  ops.reset();
-  if (host_registered && memory && api != nullptr) {
-    cuda::DeviceGuard guard(device);
-    if (guard.status().ok()) api->mem_host_unregister(memory->base());
-  }
-  memory.reset();
-}
-
-void SessionCore::Leak() { leak_ = true; }
-
 namespace {
 
 struct Entry {
-  std::shared_ptr<SessionCore> core;
+  std::shared_ptr<SessionEngine> core;
   bool retired = false;
   Clock::time_point retired_at{};
   bool channel_closed = false;  // the daemon's end closed, or we closed ours fully
   Clock::time_point channel_closed_at{};
   bool daemon_exited = false;
   bool released = false;
+  bool hung = false;  // failed for a stopped heartbeat: our side of the channel is shut down
   Clock::time_point reassert_until{};
 };
 
@@ -98,7 +82,7 @@ SessionMonitor::~SessionMonitor() {
   impl_->entries.clear();
 }
 
-void SessionMonitor::Watch(const std::shared_ptr<SessionCore>& core) {
+void SessionMonitor::Watch(const std::shared_ptr<SessionEngine>& core) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     Entry e;
@@ -108,7 +92,7 @@ void SessionMonitor::Watch(const std::shared_ptr<SessionCore>& core) {
   impl_->Wake();
 }
 
-void SessionMonitor::Retire(const std::shared_ptr<SessionCore>& core) {
+void SessionMonitor::Retire(const std::shared_ptr<SessionEngine>& core) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     for (Entry& e : impl_->entries) {
@@ -130,10 +114,12 @@ size_t SessionMonitor::retired_count() const {
 
 void SessionMonitor::Impl::Run() {
   constexpr int kTickMs = 50;
+  constexpr int kIdleHeartbeatMs = 1000;
   std::vector<pollfd> fds;
-  std::vector<std::pair<SessionCore*, bool>> owners;  // (core, is_pidfd) per fds[i >= 1]
+  std::vector<std::pair<SessionEngine*, bool>> owners;  // (engine, is_pidfd) per fds[i >= 1]
   for (;;) {
-    bool periodic = false;
+    int timeout_ms = -1;  // poll's: -1 sleeps until a descriptor or Wake()
+    auto tick_within = [&timeout_ms](int ms) { timeout_ms = timeout_ms < 0 ? ms : std::min(timeout_ms, ms); };
     {
       const Clock::time_point t = Clock::now();
       std::lock_guard<std::mutex> lock(mu);
@@ -141,19 +127,31 @@ void SessionMonitor::Impl::Run() {
       fds.assign(1, pollfd{wake.get(), POLLIN, 0});
       owners.clear();
       for (const Entry& e : entries) {
-        if (!e.channel_closed && e.core->channel.valid()) {
-          fds.push_back(pollfd{e.core->channel.get(), POLLIN | POLLRDHUP, 0});
+        if (!e.channel_closed && e.core->channel_.valid()) {
+          fds.push_back(pollfd{e.core->channel_.get(), POLLIN | POLLRDHUP, 0});
           owners.emplace_back(e.core.get(), false);
         }
-        if (!e.daemon_exited && e.core->daemon_pidfd.valid()) {
-          fds.push_back(pollfd{e.core->daemon_pidfd.get(), POLLIN, 0});
+        if (!e.daemon_exited && e.core->daemon_pidfd_.valid()) {
+          fds.push_back(pollfd{e.core->daemon_pidfd_.get(), POLLIN, 0});
           owners.emplace_back(e.core.get(), true);
         }
-        periodic = periodic || e.retired || (e.channel_closed && !e.released) ||
-                   (e.released && t < e.reassert_until);
+        if (e.retired || (e.channel_closed && !e.released) || (e.released && t < e.reassert_until)) {
+          tick_within(kTickMs);
+        }
+        // The heartbeat of a live session: read every tick while calls are
+        // outstanding (a stop then fails the session), and a few times per
+        // timeout while idle, so that it is known to advance before a call
+        // starts waiting (nothing wakes this thread when one does: the hot
+        // path makes no system call for the monitor).
+        const auto heartbeat = e.core->options_.heartbeat_timeout;
+        if (!e.channel_closed && !e.hung && heartbeat.count() > 0) {
+          const auto quarter = std::chrono::duration_cast<std::chrono::milliseconds>(heartbeat / 4).count();
+          tick_within(e.core->LanesBehind() ? kTickMs
+                                            : static_cast<int>(std::clamp<int64_t>(quarter, kTickMs, kIdleHeartbeatMs)));
+        }
       }
     }
-    int rc = ::poll(fds.data(), fds.size(), periodic ? kTickMs : -1);
+    int rc = ::poll(fds.data(), fds.size(), timeout_ms);
     if (rc < 0 && errno != EINTR) rc = 0;
     if (fds[0].revents & POLLIN) {
       uint64_t v;
@@ -161,11 +159,11 @@ void SessionMonitor::Impl::Run() {
     }
 
     const Clock::time_point now = Clock::now();
-    std::vector<std::pair<std::shared_ptr<SessionCore>, Status>> fail, release;
-    std::vector<std::shared_ptr<SessionCore>> check_fences;
+    std::vector<std::pair<std::shared_ptr<SessionEngine>, Status>> fail, release;
+    std::vector<std::shared_ptr<SessionEngine>> check_fences, hung;
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto find = [&](SessionCore* c) -> Entry* {
+      auto find = [&](SessionEngine* c) -> Entry* {
         for (Entry& e : entries) {
           if (e.core.get() == c) return &e;
         }
@@ -193,16 +191,24 @@ void SessionMonitor::Impl::Run() {
         }
       }
       for (Entry& e : entries) {
-        SessionCore& c = *e.core;
-        if (e.channel_closed && !c.lanes->failed()) {
-          fail.emplace_back(e.core, Status::Unavailable(
-              "session ", c.session_id, ": the daemon closed the session channel (it exited, "
+        SessionEngine& c = *e.core;
+        if (e.channel_closed && !c.failed()) {
+          fail.emplace_back(e.core, Status::Rejected(Reason::kClosed,
+              "session ", c.session_id(), ": the daemon closed the session channel (it exited, "
               "is shutting down, or ended the session); the next call reconnects"));
         }
-        if (e.retired && !e.channel_closed && now - e.retired_at >= kCloseGrace) {
+        if (!e.channel_closed && !e.hung && !c.failed()) {
+          if (Status lost = c.HeartbeatLost(); !lost.ok()) {
+            e.hung = true;
+            e.retired_at = now;  // the close grace below runs from here
+            fail.emplace_back(e.core, lost);
+            hung.push_back(e.core);
+          }
+        }
+        if ((e.retired || e.hung) && !e.channel_closed && now - e.retired_at >= kCloseGrace) {
           // The daemon did not answer our shutdown; close fully so it sees
           // the session end, and release after the grace below.
-          c.channel.reset();
+          c.channel_.reset();
           e.channel_closed = true;
           e.channel_closed_at = now;
         }
@@ -211,9 +217,9 @@ void SessionMonitor::Impl::Run() {
         if (should_release && !e.released) {
           e.released = true;
           e.reassert_until = now + kReassertWindow;
-          release.emplace_back(e.core, Status::Unavailable(
-              "session ", c.session_id, ": ",
-              e.daemon_exited ? "the daemon process (pid " + std::to_string(c.daemon_pid) + ") exited"
+          release.emplace_back(e.core, Status::Rejected(Reason::kClosed,
+              "session ", c.session_id(), ": ",
+              e.daemon_exited ? "the daemon process (pid " + std::to_string(c.daemon_pid()) + ") exited"
                               : std::string("the daemon closed the session channel"),
               "; this client's pending waits were released from the host and calls in flight "
               "failed; the next call reconnects"));
@@ -226,12 +232,14 @@ void SessionMonitor::Impl::Run() {
 
     // Outside the monitor lock: these take lane mutexes that calls in flight
     // hold across their RPC.
-    for (auto& [core, reason] : fail) core->lanes->Fail(reason);
-    for (auto& [core, reason] : release) core->lanes->ReleaseFromHost(reason);
+    for (auto& [core, reason] : fail) core->Fail(reason);
+    // A hung daemon: end the session from our side, as a close would.
+    for (auto& core : hung) ::shutdown(core->channel_.get(), SHUT_WR);
+    for (auto& [core, reason] : release) core->ReleaseFromHost(reason);
 
-    std::vector<std::shared_ptr<SessionCore>> done;
+    std::vector<std::shared_ptr<SessionEngine>> done;
     for (auto& core : check_fences) {
-      const int passed = core->ops ? core->ops->FencesPassed() : 1;
+      const int passed = core->FencesPassed();
       if (passed == 1) {
         done.push_back(core);
       } else if (passed < 0) {

@@ -1,5 +1,6 @@
 #include "client/core/regions.h"
 
+#include <algorithm>
 #include <iomanip>
 #include <sstream>
 
@@ -110,6 +111,10 @@ Status RegionCache::Resolve(const void* ptr, ResolvedRegion* out) {
     auto prev = std::prev(first);
     if (prev->first + prev->second.alloc.size > info.base) first = prev;
   }
+  if (registrar_ == nullptr) {
+    return Status::Rejected(Reason::kRegionUnknown, "allocation ", Hex(info.base), " (", info.size,
+                            " bytes) is not registered with the daemon");
+  }
   while (first != by_base_.end() && first->first < info.base + info.size) {
     Status u = registrar_->Unregister(first->second.region_id);
     first = by_base_.erase(first);
@@ -137,7 +142,44 @@ Status RegionCache::Forget(const void* ptr) {
   }
   const uint64_t id = it->second.region_id;
   by_base_.erase(it);
-  return registrar_->Unregister(id);
+  return registrar_ ? registrar_->Unregister(id) : Status::Ok();
+}
+
+bool RegionCache::Find(const void* ptr, uint64_t nbytes, ResolvedRegion* out) {
+  AllocationInfo a;
+  if (!backend_->Lookup(ptr, &a).ok() || a.device != device_) return false;
+  const auto p = reinterpret_cast<uint64_t>(ptr);
+  // Lookup guarantees base <= p < base + size; the view must end inside too.
+  if (nbytes > a.size - (p - a.base)) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_base_.find(a.base);
+  // A freed and re-made allocation at the same base has a new buffer id.
+  if (it == by_base_.end() || it->second.alloc.buffer_id != a.buffer_id || it->second.alloc.size != a.size) {
+    return false;
+  }
+  *out = it->second;
+  return true;
+}
+
+void RegionCache::Add(const AllocationInfo& alloc, uint64_t region_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_base_[alloc.base] = ResolvedRegion{alloc, region_id};
+}
+
+void RegionCache::ForgetIds(const std::vector<uint64_t>& region_ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = by_base_.begin(); it != by_base_.end();) {
+    if (std::find(region_ids.begin(), region_ids.end(), it->second.region_id) != region_ids.end()) {
+      it = by_base_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void RegionCache::Drop(uint64_t base) {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_base_.erase(base);
 }
 
 Status RegionCache::Prune(size_t* removed) {
@@ -152,7 +194,7 @@ Status RegionCache::Prune(size_t* removed) {
       ++it;
       continue;
     }
-    Status u = registrar_->Unregister(it->second.region_id);
+    Status u = registrar_ ? registrar_->Unregister(it->second.region_id) : Status::Ok();
     if (!u.ok() && u.code() != StatusCode::kNotFound && first_error.ok()) first_error = u;
     it = by_base_.erase(it);
     ++n;

@@ -107,10 +107,16 @@ struct ResolvedRegion {
   uint64_t region_id = 0;
 };
 
+// RegionCache
+//
+// Which allocation of this process is which region of the session: a cache
+// of the daemon's region table. With a registrar it registers what it misses
+// (the C++ client); without one the owner of registration (the Python
+// client's control plane) registers and calls Add.
 class RegionCache {
  public:
   // `device`: the session's CUDA ordinal; allocations of other devices are
-  // rejected. Both interfaces outlive the cache.
+  // rejected. Both interfaces outlive the cache; `registrar` may be null.
   RegionCache(AllocationBackend* backend, RegionRegistrar* registrar, int device);
 
   // RegionCache::Resolve
@@ -119,6 +125,22 @@ class RegionCache {
   // use. A cached entry at the same base with another buffer id (or size) is
   // stale: it is unregistered, then the new allocation registered.
   Status Resolve(const void* ptr, ResolvedRegion* out);
+
+  // RegionCache::Find
+  //
+  // Without registering anything: the region holding [ptr, ptr + nbytes)
+  // when its allocation is cached as it is now (same base, size and buffer
+  // id; a freed and re-made allocation has a new buffer id). One driver query.
+  bool Find(const void* ptr, uint64_t nbytes, ResolvedRegion* out);
+
+  // RegionCache::Add / Drop
+  //
+  // Entries registered (or forgotten) by the owner of registration.
+  void Add(const AllocationInfo& alloc, uint64_t region_id);
+  void Drop(uint64_t base);
+  // Drops the entries of these region ids (the daemon no longer knows them),
+  // without telling the daemon.
+  void ForgetIds(const std::vector<uint64_t>& region_ids);
 
   // RegionCache::Forget
   //

@@ -81,14 +81,14 @@ Status ValidateSessionMemoryHeader(const v1::SessionMemoryHeader& h, uint64_t ma
   return Status::Ok();
 }
 
-SessionMemory::SessionMemory(void* base, uint64_t bytes, bool owned, const v1::SessionMemoryHeader& h)
+SessionMapping::SessionMapping(void* base, uint64_t bytes, bool owned, const v1::SessionMemoryHeader& h)
     : base_(base), bytes_(bytes), owned_(owned), lane_count_(h.lane_count), lanes_offset_(h.lanes_offset) {}
 
-SessionMemory::~SessionMemory() {
+SessionMapping::~SessionMapping() {
   if (owned_ && base_ != nullptr) ::munmap(base_, bytes_);
 }
 
-Status SessionMemory::Map(int memfd, const ExpectedLayout& expect, std::unique_ptr<SessionMemory>* out) {
+Status SessionMapping::Map(int memfd, const ExpectedLayout& expect, std::unique_ptr<SessionMapping>* out) {
   struct stat st {};
   if (::fstat(memfd, &st) != 0) {
     return Status::Internal("fstat(session memfd): ", std::strerror(errno));
@@ -112,32 +112,32 @@ Status SessionMemory::Map(int memfd, const ExpectedLayout& expect, std::unique_p
     ::munmap(p, size);
     return s;
   }
-  out->reset(new SessionMemory(p, size, /*owned=*/true, h));
+  out->reset(new SessionMapping(p, size, /*owned=*/true, h));
   return Status::Ok();
 }
 
-Status SessionMemory::Wrap(void* base, uint64_t bytes, const ExpectedLayout& expect,
-                           std::unique_ptr<SessionMemory>* out) {
+Status SessionMapping::Wrap(void* base, uint64_t bytes, const ExpectedLayout& expect,
+                           std::unique_ptr<SessionMapping>* out) {
   if (bytes < sizeof(v1::SessionMemoryHeader)) {
     return Status::Internal("session memory is ", bytes, " bytes, smaller than its header");
   }
   v1::SessionMemoryHeader h;
   std::memcpy(&h, base, sizeof(h));
   OPD_RETURN_IF_ERROR(ValidateSessionMemoryHeader(h, bytes, expect));
-  out->reset(new SessionMemory(base, bytes, /*owned=*/false, h));
+  out->reset(new SessionMapping(base, bytes, /*owned=*/false, h));
   return Status::Ok();
 }
 
-v1::LaneSemaphores* SessionMemory::lane(uint32_t lane) const {
+v1::LaneSemaphores* SessionMapping::lane(uint32_t lane) const {
   return reinterpret_cast<v1::LaneSemaphores*>(static_cast<char*>(base_) + lane_offset(lane));
 }
 
-uint64_t SessionMemory::daemon_heartbeat() const {
+uint64_t SessionMapping::daemon_heartbeat() const {
   const auto* h = static_cast<const v1::SessionMemoryHeader*>(base_);
   return __atomic_load_n(&h->daemon_heartbeat, __ATOMIC_ACQUIRE);
 }
 
-uint64_t SessionMemory::daemon_pid() const {
+uint64_t SessionMapping::daemon_pid() const {
   const auto* h = static_cast<const v1::SessionMemoryHeader*>(base_);
   return __atomic_load_n(&h->daemon_pid, __ATOMIC_ACQUIRE);
 }

@@ -45,21 +45,21 @@ inline constexpr uint32_t kMaxLanes = 1024;
 Status ValidateSessionMemoryHeader(const v1::SessionMemoryHeader& header, uint64_t mapped_bytes,
                                    const ExpectedLayout& expect);
 
-// SessionMemory
+// SessionMapping
 //
 // Owns one MAP_SHARED mapping of a session memfd. Map() checks the memfd's
 // size, maps it read-write and validates the header; the fd itself is not
 // kept (the mapping keeps the object alive). Semaphore access from the host
 // uses 64-bit atomics, the same width the GPU stream operations use.
-class SessionMemory {
+class SessionMapping {
  public:
-  static Status Map(int memfd, const ExpectedLayout& expect, std::unique_ptr<SessionMemory>* out);
+  static Status Map(int memfd, const ExpectedLayout& expect, std::unique_ptr<SessionMapping>* out);
   // Wraps memory the caller owns (tests); validates it the same way.
   static Status Wrap(void* base, uint64_t bytes, const ExpectedLayout& expect,
-                     std::unique_ptr<SessionMemory>* out);
-  ~SessionMemory();
-  SessionMemory(const SessionMemory&) = delete;
-  SessionMemory& operator=(const SessionMemory&) = delete;
+                     std::unique_ptr<SessionMapping>* out);
+  ~SessionMapping();
+  SessionMapping(const SessionMapping&) = delete;
+  SessionMapping& operator=(const SessionMapping&) = delete;
 
   void* base() const { return base_; }
   uint64_t bytes() const { return bytes_; }
@@ -72,7 +72,7 @@ class SessionMemory {
   uint64_t daemon_heartbeat() const;
   uint64_t daemon_pid() const;
 
-  // SessionMemory::Leak
+  // SessionMapping::Leak
   //
   // Gives up the mapping without unmapping it: for when a stream may still
   // touch it and nothing can prove otherwise (process exit, a broken CUDA
@@ -80,7 +80,7 @@ class SessionMemory {
   void Leak() { owned_ = false; }
 
  private:
-  SessionMemory(void* base, uint64_t bytes, bool owned, const v1::SessionMemoryHeader& h);
+  SessionMapping(void* base, uint64_t bytes, bool owned, const v1::SessionMemoryHeader& h);
   void* base_;
   uint64_t bytes_;
   bool owned_;

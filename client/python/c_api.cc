@@ -1,4 +1,4 @@
-// The C surface of libcache_dit_opd_proxy.so for the Python client (ctypes,
+// The C surface of libcache_dit_opd_native.so for the Python client (ctypes;
 // python/cache_dit_opd/_native.py mirrors every signature and struct here).
 // Sessions are named by integer handles, never by pointers, so a stale
 // handle from Python is an error, not a dangling pointer. Every function is
@@ -12,16 +12,18 @@
 #include "client/python/native_session.h"
 #include "client/python/proxy_kernel.h"
 
+using cache_dit_opd::Reason;
 using cache_dit_opd::Status;
+using cache_dit_opd::StatusCode;
 using namespace cache_dit_opd::client;
 
 namespace {
 
 std::mutex g_mu;
-std::map<int64_t, std::shared_ptr<ProxySession>> g_sessions;  // guarded by g_mu
-int64_t g_next_handle = 1;                                   // guarded by g_mu
+std::map<int64_t, std::shared_ptr<NativeSession>> g_sessions;  // guarded by g_mu
+int64_t g_next_handle = 1;                                    // guarded by g_mu
 
-std::shared_ptr<ProxySession> Find(int64_t h) {
+std::shared_ptr<NativeSession> Find(int64_t h) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_sessions.find(h);
   return it == g_sessions.end() ? nullptr : it->second;
@@ -46,6 +48,13 @@ void CopyOut(const std::string& s, char* buf, size_t len) {
 
 }  // namespace
 
+// A status across the boundary (struct OpdStatus in _native.py).
+struct OpdStatus {
+  int32_t code;     // google.rpc.Code; 0 OK
+  uint32_t reason;  // wire.h Reason
+  char message[512];
+};
+
 // One rejected asynchronous call (struct OpdRejected in _native.py).
 struct OpdRejected {
   uint64_t ticket;
@@ -53,29 +62,40 @@ struct OpdRejected {
   uint32_t lane;
   uint32_t op_index;
   int32_t code;
+  uint32_t reason;
   uint32_t nregions;
+  uint32_t pad;
   uint64_t regions[32];
   char message[256];
 };
 
 namespace {
 
-int TakeRejected(ProxySession& s, int wait, OpdRejected* out, int max) {
+void Fill(const Status& s, OpdStatus* out) {
+  if (out == nullptr) return;
+  out->code = static_cast<int32_t>(s.code());
+  out->reason = static_cast<uint32_t>(s.reason());
+  CopyOut(s.message(), out->message, sizeof(out->message));
+}
+
+int TakeRejected(NativeSession& s, int wait, OpdRejected* out, int max) {
   int rc = 0;
   if (wait) {
-    Status st = s.WaitConsumed();
+    Status st = s.engine().WaitConsumed();
     if (!st.ok()) rc = -static_cast<int>(st.code());
   }
-  if (max <= 0 || !s.HasRejected()) return rc;
-  std::vector<RejectedCall> got = s.TakeRejected(static_cast<size_t>(max));
+  if (max <= 0 || !s.engine().HasRejected()) return rc;
+  std::vector<RejectedCall> got = s.engine().TakeRejected(static_cast<size_t>(max));
   int n = 0;
   for (RejectedCall& r : got) {
     OpdRejected& o = out[n++];
+    o = OpdRejected{};
     o.ticket = r.ticket;
     o.seq = r.seq;
     o.lane = r.lane;
     o.op_index = r.op_index;
     o.code = r.code;
+    o.reason = r.reason;
     o.nregions = static_cast<uint32_t>(std::min<size_t>(r.regions.size(), 32));
     std::copy_n(r.regions.begin(), o.nregions, o.regions);
     CopyOut(r.message, o.message, sizeof(o.message));
@@ -88,7 +108,18 @@ int TakeRejected(ProxySession& s, int wait, OpdRejected* out, int max) {
 extern "C" {
 
 // Bumped whenever a signature or struct below changes.
-__attribute__((visibility("default"))) int opd_native_abi_version() { return 1; }
+__attribute__((visibility("default"))) int opd_native_abi_version() { return 2; }
+
+// sizeof the boundary's structs (0: OpdStatus, 1: OpdRejected): _native.py
+// refuses a library whose structs are not the size of its ctypes copies.
+__attribute__((visibility("default"))) uint64_t opd_native_struct_bytes(int which) {
+  return which == 0 ? sizeof(OpdStatus) : which == 1 ? sizeof(OpdRejected) : 0;
+}
+
+// The wire protocol this library speaks (session_memory.h kProtocolVersion).
+__attribute__((visibility("default"))) int opd_native_protocol_version() {
+  return static_cast<int>(cache_dit_opd::v1::kProtocolVersion);
+}
 
 // "" when the op now has the native kernel, else why not.
 __attribute__((visibility("default"))) int opd_native_register_kernel(const char* name_overload, char* err,
@@ -103,38 +134,56 @@ __attribute__((visibility("default"))) int opd_native_register_kernel(const char
   }
 }
 
-// A handle > 0, or 0 with the reason in err.
-__attribute__((visibility("default"))) int64_t opd_native_open(int device, void* memory, uint64_t memory_bytes,
-                                                             uint64_t device_base, uint64_t session_id,
-                                                             uint32_t lanes, int daemon_pidfd, uint64_t spin_ns,
+// Takes over a bound session: `memfd` and `channel` (the session channel the
+// bind ran on) become the engine's, also on failure. A handle > 0, or 0 with
+// the reason in `status`.
+__attribute__((visibility("default"))) int64_t opd_native_open(int device, int memfd, int channel,
+                                                             uint64_t memory_bytes, uint64_t session_id,
+                                                             uint32_t lanes, uint64_t spin_ns,
                                                              uint64_t call_timeout_ns, uint64_t heartbeat_timeout_ns,
-                                                             char* err, size_t err_len) {
+                                                             OpdStatus* status) {
   try {
-    ProxySessionConfig c;
-    c.device = device;
-    c.memory = memory;
-    c.memory_bytes = memory_bytes;
-    c.device_base = device_base;
-    c.session_id = session_id;
-    c.lanes = lanes;
-    c.daemon_pidfd = daemon_pidfd;
-    c.spin = std::chrono::nanoseconds(spin_ns);
-    c.call_timeout = std::chrono::nanoseconds(call_timeout_ns);
-    c.heartbeat_timeout = std::chrono::nanoseconds(heartbeat_timeout_ns);
-    std::unique_ptr<ProxySession> s;
-    Status st = ProxySession::Create(c, &s);
-    if (!st.ok()) {
-      CopyOut(st.ToString(), err, err_len);
-      return 0;
-    }
+    BoundSession bound;
+    bound.session_id = session_id;
+    bound.lanes = lanes;
+    bound.memory_bytes = memory_bytes;
+    bound.memfd.reset(memfd);
+    bound.channel.reset(channel);
+    EngineOptions o;
+    o.spin = std::chrono::nanoseconds(spin_ns);
+    o.call_timeout = std::chrono::nanoseconds(call_timeout_ns);
+    o.heartbeat_timeout = std::chrono::nanoseconds(heartbeat_timeout_ns);
+    std::shared_ptr<NativeSession> s;
+    Status st = NativeSession::Create(device, std::move(bound), o, &s);
+    Fill(st, status);
+    if (!st.ok()) return 0;
     std::lock_guard<std::mutex> lock(g_mu);
     const int64_t h = g_next_handle++;
-    g_sessions.emplace(h, std::shared_ptr<ProxySession>(std::move(s)));
+    g_sessions.emplace(h, std::move(s));
     return h;
   } catch (const std::exception& e) {
-    CopyOut(e.what(), err, err_len);
+    Fill(Status::Internal(e.what()), status);
     return 0;
   }
+}
+
+// Ends the session on the client side (the engine half-closes the channel;
+// the monitor frees the memory once no stream can wait on it) and forgets
+// the handle.
+__attribute__((visibility("default"))) void opd_native_close(int64_t h) {
+  std::shared_ptr<NativeSession> s;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_sessions.find(h);
+    if (it == g_sessions.end()) return;
+    s = std::move(it->second);
+    g_sessions.erase(it);
+  }
+  NoThrow([&] {
+    ClearActiveNativeSession(s->device(), s.get());
+    s->engine().Close();
+    return 0;
+  }, -1);
 }
 
 // Makes the session the one the native kernels use for its device (active=1)
@@ -144,9 +193,9 @@ __attribute__((visibility("default"))) int opd_native_activate(int64_t h, int ac
     auto s = Find(h);
     if (!s) return -1;
     if (active) {
-      SetActiveProxySession(s->device(), s);
+      SetActiveNativeSession(s->device(), s);
     } else {
-      ClearActiveProxySession(s->device(), s.get());
+      ClearActiveNativeSession(s->device(), s.get());
     }
     return 0;
   }, -1);
@@ -167,49 +216,28 @@ __attribute__((visibility("default"))) int opd_native_add_region(int64_t h, uint
   return NoThrow([&] {
     auto s = Find(h);
     if (!s) return -1;
-    s->AddRegion(base, size, buffer_id, region_id);
+    s->engine().AddRegion(base, size, buffer_id, region_id);
     return 0;
   }, -1);
 }
 
 __attribute__((visibility("default"))) int opd_native_forget_region(int64_t h, uint64_t base) {
-  auto s = Find(h);
-  if (!s) return -1;
-  s->ForgetRegion(base);
-  return 0;
+  return NoThrow([&] {
+    auto s = Find(h);
+    if (!s) return -1;
+    s->engine().ForgetRegion(base);
+    return 0;
+  }, -1);
 }
 
-// One call whose arguments Python encoded (_ring.encode_args). Returns 0 with
-// *code the daemon's answer (synchronous calls; 0 for asynchronous ones), or
-// the transport failure's google.rpc.Code (> 0) with the reason in message.
-__attribute__((visibility("default"))) int opd_native_call(int64_t h, void* stream, uint32_t op_index,
-                                                         const uint8_t* body, uint32_t body_bytes, uint32_t nargs,
-                                                         int asynchronous, const uint64_t* regions,
-                                                         uint32_t nregions, int32_t* code, char* message,
-                                                         size_t message_len) {
-  auto s = Find(h);
-  if (!s) {
-    CopyOut("native session handle is closed", message, message_len);
-    return static_cast<int>(cache_dit_opd::StatusCode::kFailedPrecondition);
-  }
-  RecordArgs args;
-  if (!args.AssignEncoded(body, body_bytes, nargs)) {
-    CopyOut("encoded arguments exceed one ring record", message, message_len);
-    return static_cast<int>(cache_dit_opd::StatusCode::kInvalidArgument);
-  }
-  try {
-    std::string msg;
-    Status st = s->Call(stream, op_index, args, asynchronous != 0, regions, nregions, code, &msg);
-    if (!st.ok()) {
-      CopyOut(st.message(), message, message_len);
-      return static_cast<int>(st.code());
-    }
-    CopyOut(msg, message, message_len);
-    return 0;
-  } catch (const std::exception& e) {
-    CopyOut(e.what(), message, message_len);
-    return static_cast<int>(cache_dit_opd::StatusCode::kInternal);
-  }
+// Why this thread's last proxy kernel handed its call to Python: the
+// ProxyFallback value, with the daemon's rejection or the failure in `status`.
+__attribute__((visibility("default"))) int opd_native_last_fallback(OpdStatus* status) {
+  return NoThrow([&] {
+    const Fallback& f = LastFallback();
+    Fill(f.status, status);
+    return static_cast<int>(f.why);
+  }, -1);
 }
 
 // Takes up to `max` rejected asynchronous calls, oldest first (after
@@ -223,14 +251,35 @@ __attribute__((visibility("default"))) int opd_native_take_rejected(int64_t h, i
   return NoThrow([&] { return TakeRejected(*s, wait, out, max); }, -13);
 }
 
-__attribute__((visibility("default"))) void opd_native_fail(int64_t h, const char* reason) {
-  if (auto s = Find(h)) s->Fail(reason);
+// Fails the session with (code, reason, message): Python saw a rejection
+// whose action ends the session.
+__attribute__((visibility("default"))) void opd_native_fail(int64_t h, int32_t code, uint32_t reason,
+                                                          const char* message) {
+  NoThrow([&] {
+    if (auto s = Find(h)) {
+      s->engine().Fail(Status(static_cast<StatusCode>(code), message, cache_dit_opd::ReasonFromWire(reason)));
+    }
+    return 0;
+  }, -1);
 }
 
-// Calls whose done had not come, after raising every lane's done from the host.
-__attribute__((visibility("default"))) uint64_t opd_native_release_from_host(int64_t h, const char* reason) {
+// 1 and the failure in `status` when the session failed, 0 while it lives,
+// -1 for an unknown handle.
+__attribute__((visibility("default"))) int opd_native_failure(int64_t h, OpdStatus* status) {
+  return NoThrow([&] {
+    auto s = Find(h);
+    if (!s) return -1;
+    if (!s->engine().failed()) return 0;
+    Fill(s->engine().failure(), status);
+    return 1;
+  }, -1);
+}
+
+// Calls whose waits were released from the host since the last call (the
+// daemon died with them unfinished).
+__attribute__((visibility("default"))) uint64_t opd_native_take_lost(int64_t h) {
   auto s = Find(h);
-  return s ? s->ReleaseFromHost(reason) : 0;
+  return s ? NoThrow([&] { return s->engine().TakeLost(); }, uint64_t{0}) : 0;
 }
 
 // out[0..8]: in_flight, unanswered_async, lanes_behind, native_calls, ring wakes, ring full waits, lane
@@ -238,23 +287,26 @@ __attribute__((visibility("default"))) uint64_t opd_native_release_from_host(int
 __attribute__((visibility("default"))) int opd_native_state(int64_t h, uint64_t* out, int n) {
   auto s = Find(h);
   if (!s) return -1;
-  constexpr int kFixed = 9;
-  const int k = kFixed + static_cast<int>(ProxyFallback::kCount);
-  uint64_t v[kFixed + static_cast<int>(ProxyFallback::kCount)] = {
-      s->in_flight(), s->unanswered_async(), s->LanesBehind() ? 1u : 0u, s->native_calls(),
-      s->ring_wakes(), s->ring_full_waits(), s->lane_count(), s->published(), s->ring_capacity()};
-  for (int i = 0; i < static_cast<int>(ProxyFallback::kCount); ++i) {
-    v[kFixed + i] = s->fallbacks(static_cast<ProxyFallback>(i));
-  }
-  std::copy_n(v, std::min(n, k), out);
-  return k;
+  return NoThrow([&] {
+    SessionEngine& e = s->engine();
+    constexpr int kFixed = 9;
+    const int k = kFixed + static_cast<int>(ProxyFallback::kCount);
+    uint64_t v[kFixed + static_cast<int>(ProxyFallback::kCount)] = {
+        e.in_flight(),  e.unanswered_async(), e.LanesBehind() ? 1u : 0u, s->native_calls(), e.ring_wakes(),
+        e.ring_full_waits(), e.lane_count(), e.published(), e.ring_capacity()};
+    for (int i = 0; i < static_cast<int>(ProxyFallback::kCount); ++i) {
+      v[kFixed + i] = s->fallbacks(static_cast<ProxyFallback>(i));
+    }
+    std::copy_n(v, std::min(n, k), out);
+    return k;
+  }, -1);
 }
 
 // issued, inputs_ready, done of one lane.
 __attribute__((visibility("default"))) int opd_native_lane(int64_t h, uint32_t lane, uint64_t* out) {
   auto s = Find(h);
-  if (!s || lane >= s->lane_count()) return -1;
-  const auto st = s->lane_state(lane);
+  if (!s || lane >= s->engine().lane_count()) return -1;
+  const auto st = s->engine().lane_state(lane);
   out[0] = st.issued;
   out[1] = st.inputs_ready;
   out[2] = st.done;

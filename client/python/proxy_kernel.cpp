@@ -47,8 +47,8 @@ bool ViewBytes(const at::Tensor& t, uint64_t* nbytes) {
                          static_cast<uint64_t>(t.element_size()), nbytes);
 }
 
-// Encodes and runs the call natively; false (stack untouched) when it must
-// go to the Python implementation.
+// Encodes and runs the call natively; false (stack untouched, the reason in
+// LastFallback) when it must go to the Python implementation.
 bool TryNative(const c10::OperatorHandle& op, const OpPlan& plan, torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
   auto args = torch::jit::last(*stack, n);
@@ -59,14 +59,19 @@ bool TryNative(const c10::OperatorHandle& op, const OpPlan& plan, torch::jit::St
       break;
     }
   }
-  std::shared_ptr<ProxySession> s = device >= 0 ? ActiveProxySession(device) : nullptr;
-  if (!s) return false;
-  auto fallback = [&](ProxyFallback why) {
+  std::shared_ptr<NativeSession> s = device >= 0 ? ActiveNativeSession(device) : nullptr;
+  if (!s || s->engine().pid() != ::getpid()) {
+    SetLastFallback(ProxyFallback::kNoSession);
+    return false;
+  }
+  SessionEngine& engine = s->engine();
+  auto fallback = [&](ProxyFallback why, Status status = Status()) {
     s->CountFallback(why);
+    SetLastFallback(why, std::move(status));
     return false;
   };
-  if (s->failed() || s->pid() != ::getpid()) return fallback(ProxyFallback::kFailed);
-  if (s->HasRejected()) return fallback(ProxyFallback::kPendingErrors);
+  if (engine.failed()) return fallback(ProxyFallback::kFailed, engine.failure());
+  if (engine.HasRejected()) return fallback(ProxyFallback::kPendingErrors);
   uint32_t op_index = 0;
   if (!s->OpIndex(plan.key, &op_index)) return fallback(ProxyFallback::kUnknownOp);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
@@ -91,7 +96,7 @@ bool TryNative(const c10::OperatorHandle& op, const OpPlan& plan, torch::jit::St
       if (!t.is_cuda() || t.get_device() != device || !dtype || t.numel() == 0 || !ViewBytes(t, &nbytes)) {
         return fallback(ProxyFallback::kArgument);
       }
-      if (!s->FindRegion(t.data_ptr(), nbytes, &region, &offset)) return fallback(ProxyFallback::kRegionMiss);
+      if (!engine.FindRegion(t.data_ptr(), nbytes, &region, &offset)) return fallback(ProxyFallback::kRegionMiss);
       ok = record.AddTensor(region, offset, *dtype, t.dim(), t.sizes().data(), t.strides().data());
       regions[nregions++] = region;
     } else if (a.isNone()) {
@@ -106,13 +111,13 @@ bool TryNative(const c10::OperatorHandle& op, const OpPlan& plan, torch::jit::St
     if (!ok) return fallback(ProxyFallback::kArgument);
   }
 
-  int32_t code = 0;
-  std::string message;
-  Status st = s->Call(stream, op_index, record, AsyncCallsEnabled(), regions, nregions, &code, &message);
-  if (!st.ok()) return fallback(ProxyFallback::kBroken);
-  // A rejected call wrote nothing; the Python path runs it again and raises
-  // what the daemon says (or, after NOT_FOUND, re-registers and retries).
-  if (code != 0) return fallback(ProxyFallback::kRejected);
+  CallAnswer answer;
+  Status st = engine.CallRing(stream, op_index, record, AsyncCallsEnabled(), std::span(regions, nregions),
+                              IssueOptions{}, &answer);
+  if (!st.ok()) return fallback(ProxyFallback::kBroken, st);
+  // A rejected call wrote nothing; Python acts on the daemon's reason (raise,
+  // re-register and run again, or reconnect).
+  if (answer.code != 0) return fallback(ProxyFallback::kRejected, answer.status());
   s->CountNative();
   std::vector<c10::IValue> results;
   results.reserve(plan.return_of.size());

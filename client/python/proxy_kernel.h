@@ -4,14 +4,14 @@
 // the header itself includes no torch). RegisterProxyKernel attaches one
 // boxed kernel to `cache_dit_cuda_ops::<name.overload>` for the CUDA key.
 // Per call it encodes the arguments into a ring record and runs the call
-// through the device's ProxySession; whenever it cannot (no session,
+// through the device's NativeSession; whenever it cannot (no session,
 // session failed or forked, rejections pending, CUDA graph capture, an op
 // the catalog check did not cover, an argument it does not carry, a region
-// not registered yet, a rejected synchronous call, a broken ring) it hands
-// the call, untouched, to the Python implementation registered for the
-// PrivateUse1 key of the same op, which validates, registers regions,
-// raises and retries exactly as the pure-Python client does. The native path
-// therefore never raises on its own.
+// not registered yet, a rejected synchronous call, a broken ring) it records
+// why (native_session.h, LastFallback) and hands the call, untouched, to the
+// Python implementation registered for the PrivateUse1 key of the same op,
+// which acts on the reason (registers, raises, reconnects) and dispatches
+// again. The native path therefore never raises on its own.
 //
 // Only overloads whose every return aliases a mutable argument (the .out
 // overloads) can be registered: the kernel pushes those arguments back as

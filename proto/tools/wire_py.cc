@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -47,20 +48,38 @@ void Hex(const char* name, uint64_t value, const char* comment) {
 }
 
 // Prints NAME_SIZE and NAME_FIELDS = {"field": (offset, "<fmt"), ...} for a
-// struct whose fields are listed with FIELD(...).
+// struct whose members are listed in order with FIELD(...), its explicit
+// padding with PAD(...). The contract's structs have no implicit padding, so a
+// member left out of the list is a gap this program refuses to print past.
 struct Fields {
-  explicit Fields(const char* py, const char* c, size_t size) : py_(py) {
+  Fields(const char* py, const char* c, size_t size) : c_(c), size_(size) {
     std::printf("\n# struct %s\n%s_SIZE = %zu\n%s_FIELDS = {\n", c, py, size, py);
   }
   template <typename T>
-  void Add(const char* name, size_t offset) {
-    std::printf("    \"%s\": (%zu, \"<%s\"),\n", name, offset, Format<T>().c_str());
+  void Add(const char* name, size_t offset, bool print) {
+    Expect(offset, name);
+    end_ = offset + sizeof(T);
+    if (print) std::printf("    \"%s\": (%zu, \"<%s\"),\n", name, offset, Format<T>().c_str());
   }
-  ~Fields() { std::printf("}\n"); }
-  const char* py_;
+  ~Fields() {
+    Expect(size_, "the end");
+    std::printf("}\n");
+  }
+
+ private:
+  void Expect(size_t offset, const char* what) const {
+    if (offset == end_) return;
+    std::fprintf(stderr, "opd_wire_py: %s has bytes [%zu, %zu) before %s that no FIELD or PAD lists\n", c_, end_,
+                 offset, what);
+    std::exit(1);
+  }
+  const char* c_;
+  size_t size_;
+  size_t end_ = 0;
 };
 
-#define FIELD(f, S, m) (f).Add<decltype(S::m)>(#m, offsetof(S, m))
+#define FIELD(f, S, m) (f).Add<decltype(S::m)>(#m, offsetof(S, m), true)
+#define PAD(f, S, m) (f).Add<decltype(S::m)>(#m, offsetof(S, m), false)
 
 }  // namespace
 
@@ -122,6 +141,7 @@ int main() {
     FIELD(f, v1::BindReply, status_code);
     FIELD(f, v1::BindReply, layout_version);
     FIELD(f, v1::BindReply, shared_memory_bytes);
+    FIELD(f, v1::BindReply, reason);
     FIELD(f, v1::BindReply, message);
   }
   {
@@ -137,11 +157,14 @@ int main() {
     FIELD(f, v1::SessionMemoryHeader, ring_bytes);
     FIELD(f, v1::SessionMemoryHeader, daemon_pid);
     FIELD(f, v1::SessionMemoryHeader, daemon_heartbeat);
+    PAD(f, v1::SessionMemoryHeader, reserved);
   }
   {
     Fields f("LANE", "LaneSemaphores", sizeof(v1::LaneSemaphores));
     FIELD(f, v1::LaneSemaphores, inputs_ready);
+    PAD(f, v1::LaneSemaphores, pad0);
     FIELD(f, v1::LaneSemaphores, done);
+    PAD(f, v1::LaneSemaphores, pad1);
   }
 
   std::printf("\n# ---- ring.h\n");
@@ -168,9 +191,13 @@ int main() {
     FIELD(f, v1::RingControl, capacity);
     FIELD(f, v1::RingControl, slot_bytes);
     FIELD(f, v1::RingControl, completion_bytes);
+    PAD(f, v1::RingControl, pad0);
     FIELD(f, v1::RingControl, sq_tail);
+    PAD(f, v1::RingControl, pad1);
     FIELD(f, v1::RingControl, sq_head);
+    PAD(f, v1::RingControl, pad2);
     FIELD(f, v1::RingControl, doorbell);
+    PAD(f, v1::RingControl, pad3);
   }
   {
     Fields f("ARG_HEADER", "RingArgHeader", sizeof(v1::RingArgHeader));
@@ -196,6 +223,7 @@ int main() {
     FIELD(f, v1::CompletionRecord, seq);
     FIELD(f, v1::CompletionRecord, lane);
     FIELD(f, v1::CompletionRecord, status_code);
+    FIELD(f, v1::CompletionRecord, reason);
     FIELD(f, v1::CompletionRecord, message);
   }
   return 0;

@@ -6,12 +6,14 @@ CUDA device opens a session with the daemon that serves that GPU (found by its
 UUID; ``CACHE_DIT_OPD_ADDRESS`` overrides the lookup). Ops live in
 :mod:`cache_dit_opd.kernels`.
 
-Calls travel through the session's shared-memory call ring when the daemon
-offers it (``CACHE_DIT_OPD_RING=0``: gRPC only). Ring calls are synchronous by
-default (a rejected call raises where it is made); ``set_async_calls(True)``
-(process) or ``with async_calls():`` (this thread) makes them asynchronous:
-errors then surface at the session's next call, at :func:`synchronize`, or
-when the session closes.
+With the native engine (``libcache_dit_opd_native.so``, built by ``pip install
+--no-build-isolation ./python``) calls run in C++ through the session's
+shared-memory call ring, ordered on the caller's stream; without it they go
+over gRPC, host-synchronized (``daemon_info()["native"]`` says which).
+Calls are synchronous by default (a rejected call raises where it is made);
+``set_async_calls(True)`` (process) or ``with async_calls():`` (this thread)
+makes ring calls asynchronous: errors then surface at the session's next
+call, at :func:`synchronize`, or when the session closes.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def daemon_address(device=None) -> str | None:
 
 def daemon_info(device=None) -> dict:
     """The session with ``device``'s daemon (opened if needed): address, versions, session id, lanes, catalog."""
-    from . import _session
+    from . import _native, _session
 
     s = _session.get_session(device)
     v = s.version
@@ -88,9 +90,10 @@ def daemon_info(device=None) -> dict:
         "torch_version": v.torch_version,
         "session_id": s.reply.session_id,
         "lanes": s.reply.lanes,
-        "transport": s.transport.name,
-        "native": s._native is not None,  # calls run in the native library (client/python/)
-        "ring_capacity": getattr(s.transport, "capacity", 0),
+        "transport": s.transport,  # "ring" (the native engine) or "grpc" (host-ordered calls)
+        "native": s.native is not None,  # calls run in the native engine (client/python/)
+        "native_error": None if s.native is not None else _native.load_error(),
+        "ring_capacity": s.native.state()["ring_capacity"] if s.native is not None else 0,
         "async_calls": _session.async_calls_enabled(),
         "catalog": sorted(f"{n}.{o}" if o else n for n, o in s.catalog),
     }
@@ -99,27 +102,9 @@ def daemon_info(device=None) -> dict:
 def daemon_stats(device=None) -> dict:
     """The daemon's counters (GetStats) with this process's session for ``device``: a plain dict."""
     from . import _session
+    from ._proto.plain import message_to_dict
 
-    return _message_to_dict(_session.get_session(device).stats())
-
-
-def _message_to_dict(msg) -> dict:
-    out = {}
-    for f in msg.DESCRIPTOR.fields:
-        v = getattr(msg, f.name)
-        if f.message_type is not None:
-            v = [_message_to_dict(m) for m in v] if _is_repeated(f) else _message_to_dict(v)
-        elif _is_repeated(f):
-            v = list(v)
-        out[f.name] = v
-    return out
-
-
-def _is_repeated(field) -> bool:
-    rep = getattr(field, "is_repeated", None)  # protobuf >= 5.28
-    if rep is not None:
-        return rep
-    return field.label == field.LABEL_REPEATED
+    return message_to_dict(_session.get_session(device).stats())
 
 
 def close_sessions() -> None:

@@ -91,7 +91,9 @@ _FAKE_PRESENT = _proxy.define_or_adopt(_LIB, _SCHEMAS, tags=_proxy.PROXY_TAGS)
 def _call_fused_merge_attn_states(device_index, prev_out, prev_lse, suff_out, suff_lse, out, lse) -> None:
     # Thin bridge: the daemon's .out overload takes every argument in schema order.
     _session.run(_get_required_attn_session, device_index, "fused_merge_attn_states",
-                 [prev_out, prev_lse, suff_out, suff_lse, out, lse])
+                 [prev_out, prev_lse, suff_out, suff_lse, out, lse],
+                 _proxy.redispatch("fused_merge_attn_states", (prev_out, prev_lse, suff_out, suff_lse),
+                                   {"out": out, "lse": lse}))
 
 
 def _fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse):
@@ -102,11 +104,8 @@ def _fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse):
     out = torch.empty(suff_out.shape, dtype=suff_out.dtype, device=suff_out.device)
     lse = torch.empty(suff_lse.shape, dtype=suff_lse.dtype, device=suff_lse.device)
     if out.numel():
-        native = _proxy.native_out("fused_merge_attn_states")
-        if native is not None:
-            native(prev_out, prev_lse, suff_out, suff_lse, out=out, lse=lse)
-        else:
-            _call_fused_merge_attn_states(idx, prev_out, prev_lse, suff_out, suff_lse, out, lse)
+        torch.ops.cache_dit_cuda_ops.fused_merge_attn_states.out(prev_out, prev_lse, suff_out, suff_lse, out=out,
+                                                                lse=lse)
     return out, lse
 
 

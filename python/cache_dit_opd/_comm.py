@@ -135,7 +135,7 @@ _FAKE_PRESENT = _proxy.define_or_adopt(_LIB, _SCHEMAS, tags=_proxy.PROXY_TAGS)
 
 def _call_comm_op(op: str, device_index: int, x, out) -> None:
     # Thin bridge: every comm .out overload is (x, *, out).
-    _session.run(_get_required_comm_session, device_index, op, [x, out])
+    _session.run(_get_required_comm_session, device_index, op, [x, out], _proxy.redispatch(op, (x,), {"out": out}))
 
 
 def _forward(op: str, meta, x):
@@ -146,11 +146,7 @@ def _forward(op: str, meta, x):
     _get_required_comm_session(idx)
     out = torch.empty(shape, dtype=dtype, device=x.device)
     if out.numel():
-        native = _proxy.native_out(op)
-        if native is not None:
-            native(x, out=out)
-        else:
-            _call_comm_op(op, idx, x, out)
+        getattr(torch.ops.cache_dit_cuda_ops, op).out(x, out=out)
     return out
 
 

@@ -1,11 +1,10 @@
-"""The few CUDA driver entry points the client needs, through ctypes.
+"""The CUDA driver entry points the Python control plane needs (exporting regions), through ctypes.
 
 Loaded lazily: importing this module (and the package) needs no driver, and
-``libcuda.so.1`` is opened only when a session is created. Entry points come
-from ``cuGetProcAddress`` at an explicit CUDA version (12000), never from the
-unversioned symbols: on the H200 host the unversioned ``cuStreamWriteValue64``
-returns CUDA_ERROR_NOT_SUPPORTED while the ``_v2`` ABI (``PFN_..._v11070``)
-works on device, pinned and registered host memory.
+``libcuda.so.1`` is opened only when a region is first registered. Entry points
+come from ``cuGetProcAddress`` at an explicit CUDA version (12000), never from
+the unversioned symbols (the native engine's table, common/cuda/driver_api.cc,
+says why). Stream operations and host registration are the native engine's.
 
 Regions are exported with the driver's legacy IPC handle (64 raw bytes), not
 with torch's private sharing format, whose version byte changes between torch
@@ -24,22 +23,13 @@ CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 
-CU_MEMHOSTREGISTER_PORTABLE = 0x01
-CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
-
-CU_STREAM_WAIT_VALUE_GEQ = 0x0
-CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
-
 CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1 << 0
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
-CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
-CUDA_ERROR_NOT_SUPPORTED = 801
 
 IPC_HANDLE_BYTES = 64
-# The ABI version the entry points are requested at (CUDA 12.0: stream memory
-# operations resolve to their _v2 variants, memory functions to their _v2).
+# The ABI version the entry points are requested at (CUDA 12.0).
 _PROC_VERSION = 12000
 
 _LIB_NAME = "libcuda.so.1"
@@ -69,18 +59,6 @@ class Driver:
             [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64],
         )
         self._cuIpcGetMemHandle = fn("cuIpcGetMemHandle", [ctypes.c_char_p, ctypes.c_uint64])
-        self._cuMemGetAddressRange = fn(
-            "cuMemGetAddressRange",
-            [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64],
-        )
-        self._cuMemHostRegister = fn("cuMemHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint])
-        self._cuMemHostUnregister = fn("cuMemHostUnregister", [ctypes.c_void_p])
-        self._cuMemHostGetDevicePointer = fn(
-            "cuMemHostGetDevicePointer", [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-        )
-        memop = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-        self._cuStreamWriteValue64 = fn("cuStreamWriteValue64", memop)
-        self._cuStreamWaitValue64 = fn("cuStreamWaitValue64", memop)
         self._check("cuInit", self._cuInit(0))
         self._tls = threading.local()
         attrs = (ctypes.c_int * 3)(
@@ -165,39 +143,10 @@ class Driver:
         self._check(f"cuPointerGetAttributes(0x{ptr:x})", self._cuPointerGetAttributes(1, attr, data, ptr))
         return bool(val.value)
 
-    def mem_get_address_range(self, ptr: int) -> tuple[int, int]:
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check(f"cuMemGetAddressRange_v2(0x{ptr:x})",
-                    self._cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr))
-        return base.value, size.value
-
     def ipc_get_mem_handle(self, base: int) -> bytes:
         buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
         self._check(f"cuIpcGetMemHandle(0x{base:x})", self._cuIpcGetMemHandle(buf, base))
         return buf.raw
-
-    # -- host memory -----------------------------------------------------------
-    def mem_host_register(self, addr: int, size: int, flags: int) -> None:
-        self._check("cuMemHostRegister_v2", self._cuMemHostRegister(addr, size, flags))
-
-    def mem_host_unregister(self, addr: int) -> None:
-        self._check("cuMemHostUnregister", self._cuMemHostUnregister(addr))
-
-    def mem_host_get_device_pointer(self, addr: int) -> int:
-        d = ctypes.c_uint64()
-        self._check("cuMemHostGetDevicePointer_v2", self._cuMemHostGetDevicePointer(ctypes.byref(d), addr, 0))
-        return d.value
-
-    # -- stream memory operations (the _v2 ABI) ----------------------------------
-    def stream_write_value64(self, stream: int, addr: int, value: int) -> None:
-        rc = self._cuStreamWriteValue64(stream, addr, value, CU_STREAM_WRITE_VALUE_DEFAULT)
-        if rc != CUDA_SUCCESS:
-            raise CudaDriverError("cuStreamWriteValue64_v2", rc, self._error_name(rc))
-
-    def stream_wait_value64(self, stream: int, addr: int, value: int) -> None:
-        rc = self._cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_GEQ)
-        if rc != CUDA_SUCCESS:
-            raise CudaDriverError("cuStreamWaitValue64_v2", rc, self._error_name(rc))
 
 
 _driver: Driver | None = None

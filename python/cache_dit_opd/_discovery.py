@@ -10,6 +10,7 @@ overrides the lookup.
 from __future__ import annotations
 
 import os
+import re
 
 ADDRESS_ENV = "CACHE_DIT_OPD_ADDRESS"
 RUNTIME_DIR_ENV = "CACHE_DIT_OPD_RUNTIME_DIR"
@@ -17,24 +18,41 @@ DAEMON_BINARY = "cache-dit-opd"
 BUILD_PATH_HINT = "build/server/cache-dit-opd"
 
 
+_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
 def format_uuid(raw: bytes) -> str:
-    """16 raw bytes -> "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (as nvidia-smi prints it)."""
+    """16 raw bytes -> "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", the form of common/gpu_uuid.h."""
     if len(raw) != 16:
         raise ValueError(f"a GPU UUID has 16 bytes, got {len(raw)}")
     h = raw.hex()
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
+def is_gpu_uuid(text: str) -> bool:
+    """True for "GPU-" + 8-4-4-4-12 hex digits (either case), nothing else (common/gpu_uuid.h IsGpuUuid)."""
+    return _UUID.fullmatch(text) is not None
+
+
 def gpu_uuid(device) -> str:
-    """UUID of a torch CUDA device, from torch.cuda.get_device_properties(device).uuid."""
+    """UUID of a torch CUDA device, from the 16 bytes torch.cuda.get_device_properties(device).uuid holds.
+
+    Under MIG those are the compute instance's own bytes, so this is the key its daemon binds
+    (common/gpu_uuid.h says why "MIG-..." is not one).
+    """
     import torch
 
     uuid = torch.cuda.get_device_properties(device).uuid
     raw = getattr(uuid, "bytes", None)
-    if raw is not None:
-        return format_uuid(bytes(raw))
-    text = str(uuid)
-    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+    if raw is None:  # older torch: only the text "xxxxxxxx-xxxx-...", without a prefix
+        digits = str(uuid).removeprefix("GPU-").replace("-", "")
+        try:
+            raw = bytes.fromhex(digits)
+        except ValueError:
+            raw = b""
+        if len(raw) != 16:
+            raise RuntimeError(f"cache_dit_opd: cannot read a GPU UUID from {str(uuid)!r} (cuda:{device})")
+    return format_uuid(bytes(raw))
 
 
 def candidate_dirs() -> list[str]:
@@ -69,6 +87,8 @@ def find_daemon(uuid: str) -> tuple[str | None, list[str]]:
     override = os.environ.get(ADDRESS_ENV)
     if override:
         return normalize_address(override), [f"{ADDRESS_ENV}={override}"]
+    if not is_gpu_uuid(uuid):  # it becomes a file name: refuse anything else before touching the filesystem
+        raise ValueError(f"cache_dit_opd: {uuid!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
     looked = []
     for d in candidate_dirs():
         path = os.path.join(d, f"{uuid}.sock")

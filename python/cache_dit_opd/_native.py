@@ -1,47 +1,59 @@
-"""The native half of the client: ``libcache_dit_opd_native.so`` (``client/python/``), through ctypes.
+"""The client's native engine: ``libcache_dit_opd_native.so`` (``client/python/``), through ctypes.
 
-When the library is found, the ``.out`` proxy ops get a C++ CUDA kernel that
-encodes the call, publishes it in the session's ring and orders the stream,
-all without entering Python; the Python implementation of each op moves to
-the op's PrivateUse1 key, where the native kernel hands every call it cannot
-finish itself (first call on a new allocation, pending asynchronous errors,
-a failed session, CUDA graph capture, rejected calls, ...). A session that
-uses the ring then keeps its producer and lanes in C++ (``NativeSession``),
-shared by both paths, so one ring has exactly one producer.
+The library is the client's data plane, the same engine the C++ client runs on
+(``client/core/session_engine.h``): the session memory, lanes, call ring, region cache and failure
+detection. With it, the ``.out`` proxy ops get a C++ CUDA kernel that encodes the call, publishes it
+in the session's ring and orders the stream without entering Python; the Python implementation of
+each op moves to the op's PrivateUse1 key, where the native kernel hands every call it cannot finish
+itself, saying why (:func:`last_fallback`): no session yet, a new allocation, a rejection, a failed
+session, CUDA graph capture, ... Python acts on that (the control plane: open, bind, register,
+check the catalog, raise) and dispatches the op again. Without the library every call goes over gRPC
+as a host-ordered call (``_session``).
 
-Where the library is looked for, first found wins:
-``$CACHE_DIT_OPD_NATIVE_LIB``, this package's directory, then
-``$CACHE_DIT_OPD_BUILD_DIR/client/python`` and ``<repo>/build/client/python``.
-``CACHE_DIT_OPD_NATIVE=0`` keeps the client pure Python (same behaviour,
-more host time per call). Without the library the client is pure Python.
+Where the library is looked for, first found wins: ``$CACHE_DIT_OPD_NATIVE_LIB``, this package's
+directory (where ``pip install --no-build-isolation ./python`` builds it), then ``$CACHE_DIT_OPD_BUILD_DIR/client/python``
+and ``<repo>/build/client/python``. ``CACHE_DIT_OPD_NATIVE=0`` leaves it unused.
 
-``c_api.cc`` is the contract: every prototype and struct here mirrors it,
-and ``opd_native_abi_version`` must match ``ABI_VERSION``.
+``c_api.cc`` is the contract: every prototype and struct here mirrors it, and
+``opd_native_abi_version`` must match ``ABI_VERSION`` and ``opd_native_struct_bytes`` the ctypes structs.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import threading
 from pathlib import Path
 
+from . import _errors, _wire
+
 log = logging.getLogger("cache_dit_opd")
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_NAME = "libcache_dit_opd_native.so"
-_MESSAGE_BYTES = 512
 _MAX_REJECTED = 64
 # ProxyFallback in client/python/native_session.h, in order
-FALLBACK_REASONS = ("failed", "pending_errors", "capturing", "unknown_op", "argument", "region_miss", "rejected",
-                    "broken")
+FALLBACKS = ("no_session", "failed", "pending_errors", "capturing", "unknown_op", "argument", "region_miss",
+             "rejected", "broken")
+
+
+class OpdStatus(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int32), ("reason", ctypes.c_uint32), ("message", ctypes.c_char * 512)]
+
+    def error(self) -> _errors.DaemonError:
+        return _errors.DaemonError(self.code, self.reason, self.message.decode("utf-8", "replace"))
 
 
 class OpdRejected(ctypes.Structure):
     _fields_ = [("ticket", ctypes.c_uint64), ("seq", ctypes.c_uint64), ("lane", ctypes.c_uint32),
-                ("op_index", ctypes.c_uint32), ("code", ctypes.c_int32), ("nregions", ctypes.c_uint32),
-                ("regions", ctypes.c_uint64 * 32), ("message", ctypes.c_char * 256)]
+                ("op_index", ctypes.c_uint32), ("code", ctypes.c_int32), ("reason", ctypes.c_uint32),
+                ("nregions", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("regions", ctypes.c_uint64 * 32),
+                ("message", ctypes.c_char * 256)]
+
+    def error(self) -> _errors.DaemonError:
+        return _errors.DaemonError(self.code, self.reason, self.message.decode("utf-8", "replace"))
 
 
 _lib = None
@@ -67,21 +79,24 @@ def candidates() -> list[Path]:
 
 def _prototype(lib) -> None:
     c = ctypes
+    status = c.POINTER(OpdStatus)
     sig = {
         "opd_native_abi_version": (c.c_int, []),
+        "opd_native_struct_bytes": (c.c_uint64, [c.c_int]),
+        "opd_native_protocol_version": (c.c_int, []),
         "opd_native_register_kernel": (c.c_int, [c.c_char_p, c.c_char_p, c.c_size_t]),
-        "opd_native_open": (c.c_int64, [c.c_int, c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint64, c.c_uint32, c.c_int,
-                                        c.c_uint64, c.c_uint64, c.c_uint64, c.c_char_p, c.c_size_t]),
+        "opd_native_open": (c.c_int64, [c.c_int, c.c_int, c.c_int, c.c_uint64, c.c_uint64, c.c_uint32, c.c_uint64,
+                                        c.c_uint64, c.c_uint64, status]),
+        "opd_native_close": (None, [c.c_int64]),
         "opd_native_activate": (c.c_int, [c.c_int64, c.c_int]),
         "opd_native_set_op": (c.c_int, [c.c_int64, c.c_char_p, c.c_uint32]),
         "opd_native_add_region": (c.c_int, [c.c_int64, c.c_uint64, c.c_uint64, c.c_uint64, c.c_uint64]),
         "opd_native_forget_region": (c.c_int, [c.c_int64, c.c_uint64]),
-        "opd_native_call": (c.c_int, [c.c_int64, c.c_void_p, c.c_uint32, c.c_char_p, c.c_uint32, c.c_uint32, c.c_int,
-                                      c.POINTER(c.c_uint64), c.c_uint32, c.POINTER(c.c_int32), c.c_char_p,
-                                      c.c_size_t]),
+        "opd_native_last_fallback": (c.c_int, [status]),
         "opd_native_take_rejected": (c.c_int, [c.c_int64, c.c_int, c.POINTER(OpdRejected), c.c_int]),
-        "opd_native_fail": (None, [c.c_int64, c.c_char_p]),
-        "opd_native_release_from_host": (c.c_uint64, [c.c_int64, c.c_char_p]),
+        "opd_native_fail": (None, [c.c_int64, c.c_int32, c.c_uint32, c.c_char_p]),
+        "opd_native_failure": (c.c_int, [c.c_int64, status]),
+        "opd_native_take_lost": (c.c_uint64, [c.c_int64]),
         "opd_native_state": (c.c_int, [c.c_int64, c.POINTER(c.c_uint64), c.c_int]),
         "opd_native_lane": (c.c_int, [c.c_int64, c.c_uint32, c.POINTER(c.c_uint64)]),
         "opd_native_set_async_process": (None, [c.c_int]),
@@ -91,6 +106,24 @@ def _prototype(lib) -> None:
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
+
+
+def _torch_skew(path: Path) -> str | None:
+    """Why an installed engine must not load under this torch (its C++ ABI), or None.
+
+    ``pip install`` writes ``_native_build.json`` beside the engine it built (python/setup.py); an engine
+    of a build folder has none and is the developer's to keep in step.
+    """
+    stamp = path.with_name("_native_build.json")
+    if not stamp.is_file():
+        return None
+    import torch
+
+    built = json.loads(stamp.read_text()).get("torch")
+    if built != torch.__version__:
+        return (f"{path} was built against torch {built}, this process runs torch {torch.__version__}: reinstall "
+                f"the client (pip install --no-build-isolation ./python)")
+    return None
 
 
 def library():
@@ -108,6 +141,11 @@ def library():
         if path is None:
             _load_error = f"{LIB_NAME} not found (looked in {', '.join(str(p.parent) for p in candidates())})"
             return None
+        skew = _torch_skew(path)
+        if skew is not None:
+            _load_error = skew
+            log.warning("cache_dit_opd: native library not used: %s", _load_error)
+            return None
         try:
             import torch  # noqa: F401  (the library links torch's shared objects: load them first)
 
@@ -118,8 +156,15 @@ def library():
             _load_error = f"{path}: {e}"
             log.warning("cache_dit_opd: native library not used: %s", _load_error)
             return None
-        if v != ABI_VERSION:
-            _load_error = f"{path}: ABI version {v}, this client needs {ABI_VERSION} (rebuild it)"
+        if v != ABI_VERSION or lib.opd_native_protocol_version() != _wire.PROTOCOL_VERSION:
+            _load_error = (f"{path}: ABI version {v} speaking protocol {lib.opd_native_protocol_version()}, this "
+                           f"client needs ABI {ABI_VERSION} and protocol {_wire.PROTOCOL_VERSION} (rebuild it)")
+            log.warning("cache_dit_opd: native library not used: %s", _load_error)
+            return None
+        sizes = [lib.opd_native_struct_bytes(i) for i in range(2)]
+        if sizes != [ctypes.sizeof(OpdStatus), ctypes.sizeof(OpdRejected)]:
+            _load_error = (f"{path}: its OpdStatus and OpdRejected have {sizes} bytes, this client's "
+                           f"{[ctypes.sizeof(OpdStatus), ctypes.sizeof(OpdRejected)]} (c_api.cc and _native.py differ)")
             log.warning("cache_dit_opd: native library not used: %s", _load_error)
             return None
         _lib = lib
@@ -138,7 +183,7 @@ def register_kernel(name_overload: str) -> str | None:
     lib = library()
     if lib is None:
         return _load_error
-    err = ctypes.create_string_buffer(_MESSAGE_BYTES)
+    err = ctypes.create_string_buffer(512)
     if lib.opd_native_register_kernel(name_overload.encode(), err, len(err)) != 0:
         return err.value.decode(errors="replace")
     return None
@@ -154,29 +199,34 @@ def set_async_thread(mode: bool | None) -> None:
         _lib.opd_native_set_async_thread(-1 if mode is None else int(bool(mode)))
 
 
-class NativeError(Exception):
-    """A transport failure the native side reported: google.rpc.Code value and message."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+def last_fallback() -> tuple[str, _errors.DaemonError | None]:
+    """Why this thread's last native kernel handed its call to Python: a FALLBACKS name, and the daemon's
+    rejection or the session's failure when there is one."""
+    st = OpdStatus()
+    why = _lib.opd_native_last_fallback(ctypes.byref(st))
+    name = FALLBACKS[why] if 0 <= why < len(FALLBACKS) else "no_session"
+    return name, (st.error() if st.code != 0 else None)
 
 
 class NativeSession:
-    """One session's producer, lanes and region copy in C++ (``client/python/native_session.h``)."""
+    """One bound session's engine (``client/python/native_session.h``); the control plane stays in Python."""
 
-    def __init__(self, lib, *, device: int, memory: int, memory_bytes: int, device_base: int, session_id: int,
-                 lanes: int, daemon_pidfd: int | None, spin_s: float, call_timeout_s: float,
-                 heartbeat_timeout_s: float):
+    def __init__(self, lib, *, device: int, memfd: int, channel_fd: int, memory_bytes: int, session_id: int,
+                 lanes: int, spin_s: float, call_timeout_s: float, heartbeat_timeout_s: float):
+        """Takes ownership of ``memfd`` and ``channel_fd`` (closed by the engine, also on failure)."""
         self._lib = lib
-        err = ctypes.create_string_buffer(_MESSAGE_BYTES)
-        h = lib.opd_native_open(device, memory, memory_bytes, device_base, session_id, lanes,
-                                -1 if daemon_pidfd is None else daemon_pidfd, int(spin_s * 1e9),
-                                int(call_timeout_s * 1e9), int(max(0.0, heartbeat_timeout_s) * 1e9), err, len(err))
+        st = OpdStatus()
+        h = lib.opd_native_open(device, memfd, channel_fd, memory_bytes, session_id, lanes, int(spin_s * 1e9),
+                                int(call_timeout_s * 1e9), int(max(0.0, heartbeat_timeout_s) * 1e9), ctypes.byref(st))
         if h == 0:
-            raise RuntimeError(f"cache_dit_opd: native session: {err.value.decode(errors='replace')}")
+            raise st.error()
         self.handle = h
+
+    def close(self) -> None:
+        """Ends the session on this side; the engine frees the memory once no stream can wait on it."""
+        if self.handle:
+            self._lib.opd_native_close(self.handle)
+            self.handle = 0
 
     def activate(self, active: bool = True) -> None:
         self._lib.opd_native_activate(self.handle, 1 if active else 0)
@@ -190,44 +240,38 @@ class NativeSession:
     def forget_region(self, base: int) -> None:
         self._lib.opd_native_forget_region(self.handle, base)
 
-    def call(self, stream: int, op_index: int, body: bytes, nargs: int, asynchronous: bool, regions) -> tuple[int, str]:
-        """(daemon code, message) of one call encoded by ``_ring.encode_args``; NativeError when the ring failed."""
-        regs = list(regions or ())
-        arr = (ctypes.c_uint64 * max(1, len(regs)))(*regs)
-        # Thread-safe buffers: each thread may call concurrently.
-        code, msg = ctypes.c_int32(), ctypes.create_string_buffer(_MESSAGE_BYTES)
-        rc = self._lib.opd_native_call(self.handle, stream, op_index, body, len(body), nargs, 1 if asynchronous else 0,
-                                       arr, len(regs), ctypes.byref(code), msg, len(msg))
-        text = msg.value.decode("utf-8", "replace")
-        if rc != 0:
-            raise NativeError(rc, text)
-        return code.value, text
-
     def take_rejected(self, wait: bool = False) -> list[OpdRejected]:
         """Rejected asynchronous calls (copies); ``wait``: first wait for every record in flight."""
         out: list = []
         buf = (OpdRejected * _MAX_REJECTED)()
         while True:
             n = self._lib.opd_native_take_rejected(self.handle, 1 if wait and not out else 0, buf, _MAX_REJECTED)
-            if n < 0:
-                raise NativeError(-n, "waiting for the records in flight failed")
+            if n < 0:  # the wait failed: the session failed meanwhile (its failure reports the rest)
+                return out
             out.extend(OpdRejected.from_buffer_copy(buf[i]) for i in range(n))
             if n < _MAX_REJECTED:
                 return out
 
-    def fail(self, reason: str) -> None:
-        self._lib.opd_native_fail(self.handle, reason.encode(errors="replace"))
+    def fail(self, e: _errors.DaemonError) -> None:
+        self._lib.opd_native_fail(self.handle, e.code, e.reason, e.message.encode(errors="replace"))
 
-    def release_from_host(self, reason: str) -> int:
-        return self._lib.opd_native_release_from_host(self.handle, reason.encode(errors="replace"))
+    def failure(self) -> _errors.DaemonError | None:
+        st = OpdStatus()
+        rc = self._lib.opd_native_failure(self.handle, ctypes.byref(st)) if self.handle else -1
+        if rc == 0:
+            return None
+        return st.error() if rc == 1 else _errors.DaemonError(9, 6, "the native session is closed")
+
+    def take_lost(self) -> int:
+        return self._lib.opd_native_take_lost(self.handle) if self.handle else 0
 
     def state(self) -> dict:
-        n = 9 + len(FALLBACK_REASONS)
+        n = 9 + len(FALLBACKS)
         v = (ctypes.c_uint64 * n)()
         self._lib.opd_native_state(self.handle, v, n)
         return {"in_flight": v[0], "unanswered_async": v[1], "lanes_behind": bool(v[2]), "native_calls": v[3],
                 "ring_wakes": v[4], "ring_full_waits": v[5], "lanes": v[6], "published": v[7],
-                "ring_capacity": v[8], "fallbacks": {r: v[9 + i] for i, r in enumerate(FALLBACK_REASONS)}}
+                "ring_capacity": v[8], "fallbacks": {r: v[9 + i] for i, r in enumerate(FALLBACKS)}}
 
     def lane(self, index: int) -> dict:
         v = (ctypes.c_uint64 * 3)()

@@ -147,15 +147,13 @@ def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
 _native_out: set[str] = set()  # "name.out" overloads whose CUDA kernel is the native one
 
 
-def native_out(name: str):
-    """``torch.ops.cache_dit_cuda_ops.<name>.out`` when its CUDA kernel is native, else None.
-
-    A functional proxy impl validates and allocates, then hands the call to it:
-    the call itself then runs natively like a direct ``.out`` call.
-    """
+def redispatch(name: str, args: tuple, kwargs: dict):
+    """A callable that runs ``<name>.out(*args, **kwargs)`` again through its native kernel, or None when the
+    op has none (the Python implementation then runs the call itself, over gRPC)."""
     if f"{name}.out" not in _native_out:
         return None
-    return getattr(getattr(torch.ops, NAMESPACE), name).out
+    op = getattr(getattr(torch.ops, NAMESPACE), name).out
+    return lambda: op(*args, **kwargs)
 
 
 def _returns_alias_outputs(qualname: str) -> bool:

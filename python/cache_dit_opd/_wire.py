@@ -107,6 +107,7 @@ BIND_REPLY_FIELDS = {
     "status_code": (0, "<i"),
     "layout_version": (4, "<I"),
     "shared_memory_bytes": (8, "<Q"),
+    "reason": (16, "<I"),
     "message": (20, "<252s"),
 }
 
@@ -195,5 +196,6 @@ COMPLETION_FIELDS = {
     "seq": (16, "<Q"),
     "lane": (24, "<I"),
     "status_code": (28, "<i"),
+    "reason": (32, "<I"),
     "message": (36, "<220s"),
 }

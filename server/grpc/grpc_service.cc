@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/call_proto.h"
 #include "server/grpc/grpc_status.h"
 #include "server/grpc/proto_convert.h"
 
@@ -69,7 +70,7 @@ grpc::ServerUnaryReactor* OperatorDaemonService::UnregisterRegion(grpc::Callback
 grpc::ServerUnaryReactor* OperatorDaemonService::Call(grpc::CallbackServerContext* ctx,
                                                       const v1::CallRequest* request, v1::CallReply*) {
   CallRequest req;
-  Status s = FromProto(*request, &req);
+  Status s = CallFromProto(*request, &req);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto finish = [ctx, reactor](const Status& st) { Finish(ctx, reactor, st); };
   if (!s.ok()) {

@@ -52,12 +52,15 @@ class FakeDeviceOps : public DeviceOps {
       std::lock_guard<std::mutex> lock(mu);
       if (!streams.count(stream)) return Status::Internal("write on unknown stream");
       writes.push_back({stream, value});
+      if (sticky_after > 0 && writes.size() >= sticky_after) {
+        if (sticky) *sticky = true;
+        return Status::Internal("fake illegal address (a sticky CUDA error)");
+      }
       if (hold_writes) {
         held.push_back({std::vector<uint64_t>(addrs.begin(), addrs.end()), value});
         return Status::Ok();
       }
     }
-    (void)sticky;
     for (uint64_t a : addrs) {
       std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(a)).store(value, std::memory_order_release);
     }
@@ -93,6 +96,7 @@ class FakeDeviceOps : public DeviceOps {
   uintptr_t next_stream = 0x1000;
   std::vector<std::pair<void*, uint64_t>> writes;
   bool hold_writes = false;  // queue writes until FlushHeld (GPU "behind")
+  size_t sticky_after = 0;   // the n-th write (and every later one) fails with a sticky error; 0: never
   std::vector<std::pair<std::vector<uint64_t>, uint64_t>> held;
   bool fail_register = false;
 };

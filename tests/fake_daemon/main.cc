@@ -7,7 +7,10 @@
 //     $CACHE_DIT_OPD_FAKE_NOT_SERVING names a reason not to serve;
 //   - stream memory operations write host memory at once (a lane's "done"
 //     is written as soon as its call runs); with $CACHE_DIT_OPD_FAKE_HOLD=1
-//     they are held forever (kernels that never finish);
+//     they are held forever (kernels that never finish); with
+//     $CACHE_DIT_OPD_FAKE_STICKY_AFTER=n the n-th one fails with a sticky
+//     CUDA error (the device is lost: the daemon fails every session and
+//     exits 1);
 //   - a region handle carries its allocation (tests/fake_daemon/fakes.h,
 //     as the Python client's FakeDriver writes it);
 //   - calls are decoded and checked by the kernel library's Meta kernels
@@ -43,6 +46,7 @@ class FakeBackend final : public DeviceBackend {
   Status Open(const DeviceInfo&, std::unique_ptr<DeviceOps>* ops, std::unique_ptr<RegionOpener>* opener) override {
     auto fake_ops = std::make_unique<testing::FakeDeviceOps>();
     fake_ops->hold_writes = Env("CACHE_DIT_OPD_FAKE_HOLD", "0") == "1";
+    fake_ops->sticky_after = std::strtoul(Env("CACHE_DIT_OPD_FAKE_STICKY_AFTER", "0").c_str(), nullptr, 10);
     auto fake_opener = std::make_unique<testing::FakeRegionOpener>();
     fake_opener->decode_handles = true;
     *ops = std::move(fake_ops);

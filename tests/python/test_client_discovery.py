@@ -18,6 +18,33 @@ def test_format_uuid():
         _discovery.format_uuid(b"abc")
 
 
+def test_the_uuid_form_is_the_daemons():
+    """The vectors tests/cpp/common/gpu_uuid_test.cc holds common/gpu_uuid.cc to."""
+    path = os.path.join(_client_fixtures.REPO, "tests", "data", "gpu_uuid_vectors.txt")
+    checked = 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip() or line.startswith("#"):
+                continue
+            kind, *rest = line.split()
+            if kind == "format":
+                assert _discovery.format_uuid(bytes.fromhex(rest[0])) == rest[1]
+                assert _discovery.is_gpu_uuid(rest[1])
+            else:
+                text = "" if rest[0] == "-" else rest[0]
+                assert _discovery.is_gpu_uuid(text) == (kind == "valid"), line
+            checked += 1
+    assert checked >= 10
+
+
+def test_lookup_refuses_a_key_that_is_not_a_uuid(monkeypatch, tmp_path):
+    _clear(monkeypatch)
+    monkeypatch.setenv(_discovery.RUNTIME_DIR_ENV, str(tmp_path))
+    (tmp_path / "passwd.sock").touch()
+    with pytest.raises(ValueError, match=r"'\.\./passwd' is not a GPU UUID"):
+        _discovery.find_daemon("../passwd")
+
+
 def _clear(monkeypatch):
     for k in (_discovery.ADDRESS_ENV, _discovery.RUNTIME_DIR_ENV, "XDG_RUNTIME_DIR"):
         monkeypatch.delenv(k, raising=False)
@@ -39,8 +66,9 @@ def test_lookup_order(monkeypatch, tmp_path):
     rt.mkdir()
     (rt / f"{UUID}.sock").touch()
     assert _discovery.find_daemon(UUID)[0] == f"unix:{rt}/{UUID}.sock"  # earlier in the order wins
-    assert _discovery.find_daemon("GPU-other")[0] in (None, "unix:/run/cache-dit-opd/GPU-other.sock",
-                                                     "unix:/tmp/cache-dit-opd/GPU-other.sock")
+    other = "GPU-00000000-1111-2222-3333-444444444444"
+    assert _discovery.find_daemon(other)[0] in (None, f"unix:/run/cache-dit-opd/{other}.sock",
+                                                f"unix:/tmp/cache-dit-opd/{other}.sock")
 
 
 def test_address_overrides_everything(monkeypatch, tmp_path):

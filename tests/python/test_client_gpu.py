@@ -1,13 +1,10 @@
-"""GPU suite of the Python client: the real daemon, real CUDA IPC, real stream semaphores.
+"""GPU suite of the Python client end to end: the real daemon, real CUDA IPC, real stream semaphores.
 
-Runs where a CUDA device exists and the daemon is built:
-``$CACHE_DIT_OPD_BUILD_DIR/server/cache-dit-opd`` (default ``<repo>/build``), started
-with ``--device 0 --socket <tmp>/opd.sock`` (extra flags: CACHE_DIT_OPD_DAEMON_ARGS);
-the client is pointed at it with CACHE_DIT_OPD_ADDRESS. The in-process baseline
-loads ``$CACHE_DIT_OPD_BUILD_DIR/kernels/libcache_dit_cuda_ops.so`` in a separate
-process, never in this one.
-
-Run with ``-s`` to see the measured costs.
+Runs where a CUDA device exists and the daemon is built (``$CACHE_DIT_OPD_BUILD_DIR/server/cache-dit-opd``,
+default ``<repo>/build``; extra daemon flags: CACHE_DIT_OPD_DAEMON_ARGS), started on a private socket the
+client is pointed at with CACHE_DIT_OPD_ADDRESS. Calls take whatever path the client picks (the native
+engine's ring when its library is built, host-ordered gRPC calls otherwise). The in-process baseline loads
+``$CACHE_DIT_OPD_BUILD_DIR/kernels/libcache_dit_cuda_ops.so`` in a separate process, never in this one.
 """
 
 import hashlib
@@ -31,7 +28,7 @@ pytestmark = [
 ]
 
 import cache_dit_opd  # noqa: E402
-from cache_dit_opd import _session, kernels  # noqa: E402
+from cache_dit_opd import _session, _wire, kernels  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
@@ -69,14 +66,14 @@ def gpu_cases(device="cuda"):
         x = rn(*shape, dtype=BF16, scale=3)
         x.view(-1, shape[-1])[0].zero_()  # an all-zero row: amax floor
         cases.append(("fp8_comm_per_token_quant", (x,)))
-        cases.append(("fp8_comm_per_token_dequant", (fx.ref_per_token_quant(x),)))
+        cases.append(("fp8_comm_per_token_dequant", (fx.ref.per_token_quant(x),)))
     for (b, s, p, n, d), stride_p in (((1, 16, 4, 8, 128), False), ((2, 7, 3, 5, 64), True), ((2, 3, 2, 1, 1), False)):
         if stride_p:  # B/S/P strided: a slice of a wider P axis, each [N, D] block contiguous
             x = rn(b, s, 3 * p, n, d, dtype=BF16, scale=2)[:, :, p:2 * p]
         else:
             x = rn(b, s, p, n, d, dtype=BF16, scale=2)
         cases.append(("fp8_comm_qkv_permute_quant", (x,)))
-        cases.append(("fp8_comm_qkv_permute_dequant", (fx.ref_qkv_permute_quant(x.contiguous())[p - 1],)))
+        cases.append(("fp8_comm_qkv_permute_dequant", (fx.ref.qkv_permute_quant(x.contiguous())[p - 1],)))
     return cases
 
 
@@ -98,19 +95,20 @@ def _digest(results) -> str:
 
 @pytest.fixture(scope="module")
 def daemon():
-    if not os.path.exists(fx.daemon_binary_path()):
-        pytest.skip(f"daemon not built: {fx.daemon_binary_path()} (set CACHE_DIT_OPD_BUILD_DIR)")
-    d = fx.RealDaemon(fx.short_tmpdir()).start()
+    _session.close_all()
+    d = fx.daemon(None, fake=False)
     old = os.environ.get("CACHE_DIT_OPD_ADDRESS")
     os.environ["CACHE_DIT_OPD_ADDRESS"] = d.address
     yield d
-    _session.close_all()
-    d.stop()
-    if old is None:
-        os.environ.pop("CACHE_DIT_OPD_ADDRESS", None)
-    else:
-        os.environ["CACHE_DIT_OPD_ADDRESS"] = old
-    shutil.rmtree(d.dir, ignore_errors=True)
+    try:
+        _session.close_all(raise_errors=True)
+    finally:
+        d.stop()
+        if old is None:
+            os.environ.pop("CACHE_DIT_OPD_ADDRESS", None)
+        else:
+            os.environ["CACHE_DIT_OPD_ADDRESS"] = old
+        shutil.rmtree(d.workdir, ignore_errors=True)
 
 
 def _run_daemon_cases():
@@ -166,7 +164,7 @@ def test_available_and_info(daemon):
     assert kernels.attn_extension_is_available() and kernels.comm_extension_is_available()
     assert kernels.attn_get_load_error() is None
     info = cache_dit_opd.daemon_info()
-    assert info["address"] == daemon.address and info["protocol_version"] == 1
+    assert info["address"] == daemon.address and info["protocol_version"] == _wire.PROTOCOL_VERSION
     assert "fp8_comm_per_token_quant.out" in info["catalog"]
     from cache_dit_opd import _discovery
 
@@ -205,15 +203,15 @@ def test_every_op_matches_the_reference_math(daemon):
         elif op == "fp8_comm_per_token_quant":
             (x,) = args
             assert got.shape == (*x.shape[:-1], x.shape[-1] + 2) and got.dtype == FP8
-            _assert_fp8_roundtrip(fx.ref_per_token_dequant(got), x)
+            _assert_fp8_roundtrip(fx.ref.per_token_dequant(got), x)
         elif op == "fp8_comm_qkv_permute_quant":
             (x,) = args
             b, s_, p, n, d = x.shape
             assert got.shape == (p, s_, b, n, d + 4) and got.is_contiguous()
             for i in range(p):
-                _assert_fp8_roundtrip(fx.ref_qkv_permute_dequant(got[i]), x[:, :, i])
+                _assert_fp8_roundtrip(fx.ref.qkv_permute_dequant(got[i]), x[:, :, i])
         else:  # the dequant ops decode exactly what the reference encoded
-            ref = fx.ref_per_token_dequant if "per_token" in op else fx.ref_qkv_permute_dequant
+            ref = fx.ref.per_token_dequant if "per_token" in op else fx.ref.qkv_permute_dequant
             torch.testing.assert_close(got.float(), ref(*args).float(), atol=0, rtol=2 ** -7)
 
 
@@ -228,13 +226,13 @@ def test_out_overloads_and_empty_inputs(daemon):
 
 
 def test_daemon_rejects_what_the_client_lets_through(daemon):
-    # A direct session call with a wrong-dtype output: the daemon validates again and rejects it.
-    s = _session.get_session(0)
+    # The .out overload with a wrong-dtype output: the client checks nothing, the daemon rejects it.
     x = torch.randn(4, 8, device="cuda", dtype=BF16)
     bad = torch.empty(4, 10, device="cuda", dtype=BF16)
-    with pytest.raises(ValueError, match="rejected by the daemon"):
-        s.call("fp8_comm_per_token_quant", [x, bad])
-    assert kernels.fp8_comm_per_token_quant(x).shape == (4, 10)  # the lane goes on
+    with pytest.raises(ValueError, match=r"fp8_comm_per_token_quant\.out rejected by the daemon: .*output out must "
+                                         r"be torch\.float8_e4m3fn, got torch\.bfloat16"):
+        torch.ops.cache_dit_cuda_ops.fp8_comm_per_token_quant.out(x, out=bad)
+    assert kernels.fp8_comm_per_token_quant(x).shape == (4, 10)  # the session goes on
 
 
 def test_torch_compile_end_to_end(daemon):
@@ -345,7 +343,7 @@ def test_client_killed_mid_run_leaves_daemon_healthy(daemon):
         st = daemon.stats()
         if p.pid not in _session_pids(st) and st.regions <= before.regions and st.mapped_bytes <= before.mapped_bytes:
             break
-        assert time.monotonic() < deadline, f"the dead client's session or mappings remain: {st}"
+        assert time.monotonic() < deadline, f"the dead client's session or mappings remain: {st}\n{daemon.log_tail()}"
         time.sleep(0.1)
     assert daemon.version().serving
     x = torch.randn(16, 64, device="cuda", dtype=BF16)
@@ -378,7 +376,7 @@ except cache_dit_opd.SessionFailedError as e:
     print("sync-reported", str(e).splitlines()[0], flush=True)
 x2 = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
 q2 = kernels.fp8_comm_per_token_quant(x2)
-torch.testing.assert_close(fx.ref_per_token_dequant(q2).float(), x2.float(), atol=0.1, rtol=0.1)
+torch.testing.assert_close(fx.ref.per_token_dequant(q2).float(), x2.float(), atol=0.1, rtol=0.1)
 print("next-call-ok", flush=True)
 """
 
@@ -396,9 +394,7 @@ def _lines(p):
 
 
 def test_daemon_killed_and_restarted(tmp_path):
-    if not os.path.exists(fx.daemon_binary_path()):
-        pytest.skip("daemon not built")
-    d = fx.RealDaemon(fx.short_tmpdir()).start()
+    d = fx.daemon(None, fake=False)
     p = subprocess.Popen([sys.executable, "-c", RESTART_WORKER.format(tests=fx.HERE)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=fx.subprocess_env(CACHE_DIT_OPD_ADDRESS=d.address))
@@ -424,7 +420,7 @@ def test_daemon_killed_and_restarted(tmp_path):
         if p.poll() is None:
             p.kill()
         d.stop()
-        shutil.rmtree(d.dir, ignore_errors=True)
+        shutil.rmtree(d.workdir, ignore_errors=True)
 
 
 # -- memory --------------------------------------------------------------------------------------------
@@ -442,8 +438,11 @@ def test_empty_cache_returns_memory_the_daemon_mapped(daemon):
     torch.cuda.synchronize()
     s = _session.get_session(0)
     assert any(r.base <= big.data_ptr() < r.base + r.size for r in s.regions.regions())
+    regions = s.stats().session[0].regions
+    assert regions == len(s.regions)
     del x, big, q
     torch.cuda.empty_cache()  # frees the segments; the client unregisters them right after
+    assert s.stats().session[0].regions <= regions - 2, "the freed segments' regions remain in the daemon"
     deadline = time.monotonic() + 20
     while torch.cuda.mem_get_info()[0] < free0 - (64 << 20):
         assert time.monotonic() < deadline, (
@@ -467,39 +466,7 @@ except RuntimeError as e:
     assert "ERR" in r.stdout and "expandable_segments:False" in r.stdout, r.stdout + r.stderr
 
 
-# -- the client's CUDA side against the fake daemon (no daemon binary needed) -------------------------------
-#
-# The fake daemon (tests/python/_client_fixtures.py) answers the real protocol and completes a call by
-# writing "done" from the host; it runs no kernels. These tests exercise the real driver entry points,
-# IPC export, host registration of the session memory and the stream semaphores on the GPU.
-
-
-def _wait_event(ev, timeout):
-    deadline = time.monotonic() + timeout
-    while not ev.query():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-@pytest.fixture
-def fake_session():
-    from cache_dit_opd import _discovery
-
-    made = []
-
-    def make(*args):
-        d = fx.FakeDaemon(fx.short_tmpdir(), _discovery.gpu_uuid(0), *args).start()
-        s = _session.Session(0, target=d.address, uuid=d.uuid).open()
-        made.append((d, s))
-        return d, s
-
-    yield make
-    for d, s in made:
-        s.close()
-        d.kill()
-        shutil.rmtree(d.dir, ignore_errors=True)
+# -- the client's CUDA side without a daemon ---------------------------------------------------------
 
 
 def test_capture_raises_before_any_daemon_work():
@@ -512,66 +479,16 @@ def test_capture_raises_before_any_daemon_work():
 
 
 def test_driver_entry_points():
-    from cache_dit_opd import _cuda_driver
+    from cache_dit_opd import _cuda_driver  # the Python control plane's: exporting regions
 
     drv = _cuda_driver.get_driver()
     assert drv.driver_version() >= 12000
     x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
     base, size, bid = drv.pointer_range(x.data_ptr() + 100)
     assert base <= x.data_ptr() < base + size and bid != 0
-    assert drv.mem_get_address_range(x.data_ptr() + 100) == (base, size)
     assert drv.legacy_ipc_capable(base)
     assert len(drv.ipc_get_mem_handle(base)) == 64
     assert drv.pointer_range(0x10) == (0, 0, 0)  # not CUDA memory
-
-
-def test_stream_semaphores_with_fake_daemon(fake_session):
-    d, s = fake_session()
-    x = torch.randn(64, 128, device="cuda", dtype=BF16)
-    out = torch.empty(64, 130, device="cuda", dtype=FP8)
-    torch.cuda._sleep(int(2e8))  # the inputs_ready write lands only after this GPU work
-    s.call("fp8_comm_per_token_quant", [x, out])  # the fake waited on the host for the GPU's write
-    lane = s._lanes[0]
-    assert lane.issued == 1 and lane.inputs_ready() == 1 and lane.done() == 1
-    ev = torch.cuda.Event()
-    ev.record()
-    assert _wait_event(ev, 10)
-    assert len(s.regions) >= 1 and s.stats().session[0].regions == len(s.regions)
-    # a second stream gets its own lane
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        s.call("fp8_comm_per_token_quant", [x, out])
-    assert s._lane_of_stream[side.cuda_stream] is not lane
-
-
-def test_dead_daemon_releases_the_stream(fake_session):
-    _session.take_deferred_errors()
-    d, s = fake_session("--hold")
-    x = torch.randn(64, 128, device="cuda", dtype=BF16)
-    out = torch.empty(64, 130, device="cuda", dtype=FP8)
-    s.call("fp8_comm_per_token_quant", [x, out])  # accepted, never completed by the fake
-    ev = torch.cuda.Event()
-    ev.record()
-    time.sleep(0.5)
-    assert not ev.query(), "the stream must wait for the call's done"
-    d.kill()
-    assert _wait_event(ev, 15), "the client did not release its stream after the daemon died"
-    errs = _session.take_deferred_errors()
-    assert errs and "unfinished" in str(errs[0])
-
-
-def test_empty_cache_unregisters_freed_segments(fake_session):
-    from cache_dit_opd import _regions
-
-    d, s = fake_session()
-    _regions.install_free_hooks()
-    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    rid, off = s.regions.ref(x.data_ptr(), x.numel())
-    before = s.stats().session[0].regions
-    del x
-    torch.cuda.empty_cache()
-    assert rid not in {r.region_id for r in s.regions.regions()}
-    assert s.stats().session[0].regions == before - 1
 
 
 def test_vmm_memory_detected():
@@ -588,31 +505,3 @@ except _regions.RegionExportError as e:
 """
     r = fx.run_python(code, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     assert "ERR" in r.stdout and "expandable_segments:False" in r.stdout, r.stdout + r.stderr
-
-
-def test_driver_costs_report():
-    from cache_dit_opd import _cuda_driver
-
-    drv = _cuda_driver.get_driver()
-    x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-    host = torch.zeros(64, dtype=torch.int64).pin_memory()
-    dptr = host.data_ptr()  # pinned memory is device-mapped under UVA
-    stream = torch.cuda.current_stream().cuda_stream
-    n = 5000
-    a, b = [], []
-    for i in range(n):
-        t0 = time.perf_counter_ns()
-        drv.pointer_range(x.data_ptr())
-        t1 = time.perf_counter_ns()
-        drv.stream_write_value64(stream, dptr, i + 1)
-        drv.stream_wait_value64(stream, dptr + 64 // 8 * 0, i + 1)
-        t2 = time.perf_counter_ns()
-        a.append(t1 - t0)
-        b.append(t2 - t1)
-    torch.cuda.synchronize()
-    a.sort()
-    b.sort()
-    print(f"\n[cost] cuPointerGetAttributes (region check) p50 {a[n // 2] / 1e3:.2f} us p99 {a[int(n * .99)] / 1e3:.2f} us;"
-          f" cuStreamWriteValue64_v2 + cuStreamWaitValue64_v2 p50 {b[n // 2] / 1e3:.2f} us"
-          f" p99 {b[int(n * .99)] / 1e3:.2f} us")
-    assert int(host[0]) == n

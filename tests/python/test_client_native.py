@@ -1,8 +1,8 @@
 """The native library (``_native``, ``client/python/``) on the CPU: loading, registration, refusals.
 
-What runs calls (the native kernels, the producer and lanes) needs a GPU and
-is tested in test_client_native_gpu.py; the producer and encoder against the
-daemon's consumer are tested in C++ (tests/cpp/server/ring_test.cc (RingProducerTest)).
+What runs calls (the native kernels, the engine's ring and lanes) needs a GPU and
+is tested in test_client_native_gpu.py; the engine against the real daemon on fakes
+is tested in C++ (tests/cpp/client/engine_test.cc).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import _client_fixtures as fx
-from cache_dit_opd import _native, _proxy, kernels  # noqa: F401  (kernels: the ops are defined)
+from cache_dit_opd import _errors, _native, _proxy, kernels  # noqa: F401  (kernels: the ops are defined)
 
 needs_library = pytest.mark.skipif(_native.library() is None, reason=f"native library not built: "
                                                                      f"{_native.load_error()}")
@@ -39,7 +39,7 @@ def test_out_overloads_get_the_native_kernel_and_keep_python_behind_it():
         q = f"cache_dit_cuda_ops::{op}"
         assert "client/python/proxy_kernel.cpp" in _cuda_kernel_source(q)
         assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" in torch._C._dispatch_dump(q)
-        assert _proxy.native_out(op.split(".")[0]) is not None
+        assert _proxy.redispatch(op.split(".")[0], (), {}) is not None
     assert "_comm.py" in _cuda_kernel_source("cache_dit_cuda_ops::fp8_comm_per_token_quant")
 
 
@@ -51,10 +51,25 @@ def test_register_kernel_refuses_what_it_cannot_serve():
 
 
 @needs_library
-def test_a_session_without_a_driver_or_memory_is_refused_with_the_reason():
-    with pytest.raises(RuntimeError, match="native session: .+"):
-        _native.NativeSession(_native.library(), device=0, memory=0, memory_bytes=0, device_base=0, session_id=1,
-                              lanes=1, daemon_pidfd=None, spin_s=0, call_timeout_s=1, heartbeat_timeout_s=0)
+def test_an_engine_checks_what_the_daemon_handed_over_before_touching_the_device():
+    import socket
+
+    def open_engine(memfd, nbytes):
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            return _native.NativeSession(_native.library(), device=0, memfd=memfd, channel_fd=a.detach(),
+                                         memory_bytes=nbytes, session_id=1, lanes=1, spin_s=0, call_timeout_s=1,
+                                         heartbeat_timeout_s=0)
+        finally:
+            b.close()
+
+    with pytest.raises(_errors.DaemonError, match=r"fstat\(session memfd\): Bad file descriptor"):
+        open_engine(-1, 0)
+    fd = os.memfd_create("not-a-session")
+    os.ftruncate(fd, 8192)
+    with pytest.raises(_errors.DaemonError, match=r"session memory magic is 0x0, expected 0x504f4443") as e:
+        open_engine(fd, 8192)  # the engine owns fd (and closed it)
+    assert e.value.action == _errors.FAIL
 
 
 def test_native_off_keeps_the_client_pure_python():
@@ -62,7 +77,7 @@ def test_native_off_keeps_the_client_pure_python():
 import torch
 from cache_dit_opd import _native, _proxy, kernels
 dump = torch._C._dispatch_dump("cache_dit_cuda_ops::fp8_comm_per_token_quant.out")
-print(_native.library() is None, "PrivateUse1" in dump, _proxy.native_out("fp8_comm_per_token_quant") is None)
+print(_native.library() is None, "PrivateUse1" in dump, _proxy.redispatch("fp8_comm_per_token_quant", (), {}) is None)
 print(_native.load_error())
 """
     r = fx.run_python(code, CACHE_DIT_OPD_NATIVE="0")
@@ -79,7 +94,7 @@ def test_a_missing_library_is_named_with_where_it_was_looked_for(tmp_path):
     shutil.copytree(fx.PACKAGE_DIR, pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     code = r"""
 from cache_dit_opd import _native, _proxy, kernels
-print(_native.library() is None, _proxy.native_out("fp8_comm_per_token_quant") is None)
+print(_native.library() is None, _proxy.redispatch("fp8_comm_per_token_quant", (), {}) is None)
 print(_native.load_error())
 """
     env = dict(os.environ, PYTHONPATH=str(pkg.parent), CACHE_DIT_OPD_NATIVE_LIB="/nonexistent/lib.so",

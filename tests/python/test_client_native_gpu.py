@@ -1,11 +1,9 @@
-"""The native half of the client (``_native``, ``client/python/``) on a GPU against the real daemon.
+"""The native engine (``client/core/``, ``client/python/``) on a GPU against the real daemon.
 
-The ring GPU suite (test_client_ring_gpu.py) and the end-to-end suite run
-through whatever path the client picks; with the native library built that
-is the native one. These tests pin what only the native path does: the
-``.out`` ops run without entering Python (counted), each case that needs
-Python is handed over and counted by reason, and the C++ encoder sends
-exactly the call the Python encoder sends (bitwise equal outputs).
+The ring GPU suite (test_client_ring_gpu.py) and the end-to-end suite run through whatever path the
+client picks; with the native library built that is the engine. These tests pin what only the engine
+does: the ``.out`` ops run without entering Python (counted), each case that needs Python is handed over
+and counted by reason, and a ring call computes exactly what a host-ordered gRPC call computes.
 """
 
 from __future__ import annotations
@@ -33,13 +31,13 @@ def native(daemon):  # noqa: F811
     if _native.library() is None:
         pytest.skip(f"native library not available: {_native.load_error()}")
     s = _session0()
-    assert s._native is not None, "a ring session with the native library must use the native producer"
+    assert s.native is not None, "a ring session with the native library must use the native engine"
     return s
 
 
 def _state(s):
     torch.cuda.synchronize()
-    return s._native.state()
+    return s.native.state()
 
 
 def test_out_overloads_have_the_native_cuda_kernel(native):
@@ -53,25 +51,30 @@ def test_out_overloads_have_the_native_cuda_kernel(native):
 
 
 @pytest.mark.parametrize("mode", ("sync", "async"))
-def test_out_calls_run_natively_and_equal_the_python_path(native, mode):
+def test_out_calls_run_natively_and_equal_a_host_ordered_call(native, daemon, mode):  # noqa: F811
     s = native
     x = torch.randn(64, 3, 128, device="cuda", dtype=BF16)
     q_native = torch.empty(64, 3, 130, device="cuda", dtype=FP8)
-    q_python = torch.empty_like(q_native)
+    q_grpc = torch.empty_like(q_native)
     OPS.fp8_comm_per_token_quant.out(x, out=q_native)  # registers the regions (through Python once)
     before = _state(s)
     n = 50
     with _mode(mode):
         for _ in range(n):
             OPS.fp8_comm_per_token_quant.out(x, out=q_native)
-        s.call("fp8_comm_per_token_quant", [x, q_python])  # the Python encoder, same producer
     cache_dit_opd.synchronize()
     after = _state(s)
+    grpc = _session.Session(0, target=daemon.address, native=False).open()  # a second session, no engine
+    try:
+        assert grpc.transport == "grpc"
+        grpc.call_host_ordered("fp8_comm_per_token_quant", [x, q_grpc])
+    finally:
+        grpc.close()
     assert after["native_calls"] - before["native_calls"] == n
     assert after["fallbacks"] == before["fallbacks"], (before, after)
-    assert after["published"] - before["published"] == n + 1
-    assert torch.equal(q_native.view(torch.uint8), q_python.view(torch.uint8))
-    torch.testing.assert_close(fx.ref_per_token_dequant(q_native).float(), x.float(), atol=0.2, rtol=0.1)
+    assert after["published"] - before["published"] == n
+    assert torch.equal(q_native.view(torch.uint8), q_grpc.view(torch.uint8))
+    torch.testing.assert_close(fx.ref.per_token_dequant(q_native).float(), x.float(), atol=0.2, rtol=0.1)
 
 
 def test_merge_with_strided_lse_runs_natively(native):
@@ -139,7 +142,7 @@ def test_an_async_rejection_is_raised_by_the_next_call_then_reported_once(native
         assert _state(s)["fallbacks"]["pending_errors"] == before["fallbacks"]["pending_errors"] + 1
         OPS.fp8_comm_per_token_quant.out(x, out=q)  # reported once: this one runs
     cache_dit_opd.synchronize()
-    torch.testing.assert_close(fx.ref_per_token_dequant(q).float(), x.float(), atol=0.2, rtol=0.1)
+    torch.testing.assert_close(fx.ref.per_token_dequant(q).float(), x.float(), atol=0.2, rtol=0.1)
 
 
 def test_graph_capture_is_refused_by_the_python_path(native):
@@ -148,12 +151,12 @@ def test_graph_capture_is_refused_by_the_python_path(native):
     q = torch.empty(8, 66, device="cuda", dtype=FP8)
     OPS.fp8_comm_per_token_quant.out(x, out=q)
     torch.cuda.synchronize()
-    before = s._native.state()
+    before = s.native.state()
     g = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         with torch.cuda.graph(g):
             OPS.fp8_comm_per_token_quant.out(x, out=q)
-    assert s._native.state()["fallbacks"]["capturing"] == before["fallbacks"]["capturing"] + 1
+    assert s.native.state()["fallbacks"]["capturing"] == before["fallbacks"]["capturing"] + 1
     OPS.fp8_comm_per_token_quant.out(x, out=q)  # and afterwards the session still serves
 
 
@@ -168,7 +171,7 @@ x = torch.randn(64, 3, 128, device="cuda", dtype=torch.bfloat16)
 q = torch.empty(64, 3, 130, device="cuda", dtype=torch.float8_e4m3fn)
 torch.ops.cache_dit_cuda_ops.fp8_comm_per_token_quant.out(x, out=q)
 torch.cuda.synchronize()
-print(_native.library() is not None, _session.get_session(0)._native is not None,
+print(_native.library() is not None, _session.get_session(0).native is not None,
       hashlib.sha256(q.view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
 """
     outs = {}
@@ -209,8 +212,8 @@ for dev in ("cuda:1", "cuda:0"):
     for _ in range(20):
         ops.fp8_comm_per_token_quant.out(x, out=q)
     torch.cuda.synchronize(dev)
-    ok = torch.equal(q.cpu().view(torch.uint8), fx.ref_per_token_quant(x.cpu()).view(torch.uint8))
-    st = _session.get_session(torch.device(dev).index)._native.state()
+    ok = torch.equal(q.cpu().view(torch.uint8), fx.ref.per_token_quant(x.cpu()).view(torch.uint8))
+    st = _session.get_session(torch.device(dev).index).native.state()
     print(dev, ok, st["native_calls"], torch.cuda.current_device())
 """
 
@@ -225,13 +228,9 @@ def test_each_gpu_has_its_daemon_and_calls_run_natively_whatever_device_is_curre
     run = fx.short_tmpdir()
     daemons = []
     try:
-        for idx in (0, 1):
-            d = fx.RealDaemon(os.path.join(run, f"d{idx}"), idx)
-            os.makedirs(d.dir, exist_ok=True)
-            d.socket = os.path.join(run, f"{_discovery.gpu_uuid(idx)}.sock")  # found by GPU UUID
-            d.address = "unix:" + d.socket
-            d.args[d.args.index("--socket") + 1] = d.socket
-            daemons.append(d.start())
+        for idx in (0, 1):  # each on <run>/<GPU UUID>.sock: found by discovery
+            daemons.append(fx.daemon(os.path.join(run, f"d{idx}"), fake=False, device=idx,
+                                     socket=os.path.join(run, f"{_discovery.gpu_uuid(idx)}.sock")))
         r = fx.run_python(MULTI_GPU_WORKER.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=None,
                           CACHE_DIT_OPD_RUNTIME_DIR=run, timeout=180)
         assert r.returncode == 0, r.stderr

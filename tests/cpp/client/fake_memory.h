@@ -44,7 +44,7 @@ inline int MakeMemfd(uint64_t total, const v1::SessionMemoryHeader& h) {
   return fd;
 }
 
-// Page-aligned heap memory holding a valid header (for SessionMemory::Wrap).
+// Page-aligned heap memory holding a valid header (for SessionMapping::Wrap).
 struct HostSession {
   explicit HostSession(uint32_t lanes, uint64_t session_id = 7) : bytes(SessionBytes(lanes)) {
     base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

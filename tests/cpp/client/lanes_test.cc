@@ -25,7 +25,7 @@ struct Op {
 
 class HostOps : public LaneStreamOps {
  public:
-  explicit HostOps(SessionMemory* m) : m_(m) {}
+  explicit HostOps(SessionMapping* m) : m_(m) {}
   Status WriteInputsReady(void* s, uint32_t lane, uint64_t v) override {
     if (fail_write) return Status::Internal("stream is dead");
     // A GPU write lands after earlier stream work; here at once. The lane
@@ -59,14 +59,14 @@ class HostOps : public LaneStreamOps {
     std::lock_guard<std::mutex> l(mu_);
     log_.push_back(op);
   }
-  SessionMemory* m_;
+  SessionMapping* m_;
   std::mutex mu_;
   std::vector<Op> log_;
 };
 
 // A daemon that completes every call at once.
 struct FakeDaemon {
-  SessionMemory* m;
+  SessionMapping* m;
   std::vector<std::pair<uint32_t, uint64_t>> seen;
   Status reply;
   LaneTable::SendFn Send() {
@@ -85,13 +85,13 @@ class LanesTest : public ::testing::Test {
  protected:
   void Init(uint32_t lanes) {
     host_ = std::make_unique<test::HostSession>(lanes);
-    ASSERT_TRUE(SessionMemory::Wrap(host_->base, host_->bytes, {7, lanes, 0}, &mem_).ok());
+    ASSERT_TRUE(SessionMapping::Wrap(host_->base, host_->bytes, {7, lanes, 0}, &mem_).ok());
     ops_ = std::make_unique<HostOps>(mem_.get());
     table_ = std::make_unique<LaneTable>(mem_.get(), ops_.get());
     daemon_.m = mem_.get();
   }
   std::unique_ptr<test::HostSession> host_;
-  std::unique_ptr<SessionMemory> mem_;
+  std::unique_ptr<SessionMapping> mem_;
   std::unique_ptr<HostOps> ops_;
   std::unique_ptr<LaneTable> table_;
   FakeDaemon daemon_;

@@ -25,18 +25,18 @@ Status MapWith(const std::function<void(v1::SessionMemoryHeader&)>& corrupt, uin
   corrupt(h);
   int fd = MakeMemfd(total, h);
   EXPECT_GE(fd, 0);
-  std::unique_ptr<SessionMemory> m;
-  Status s = SessionMemory::Map(fd, expect, &m);
+  std::unique_ptr<SessionMapping> m;
+  Status s = SessionMapping::Map(fd, expect, &m);
   ::close(fd);
   return s;
 }
 
-TEST(SessionMemory, MapsAValidObject) {
+TEST(SessionMapping, MapsAValidObject) {
   const uint64_t total = SessionBytes(kLanes);
   int fd = MakeMemfd(total, MakeHeader(total, kSession, kLanes));
   ASSERT_GE(fd, 0);
-  std::unique_ptr<SessionMemory> m;
-  Status s = SessionMemory::Map(fd, {kSession, kLanes, total}, &m);
+  std::unique_ptr<SessionMapping> m;
+  Status s = SessionMapping::Map(fd, {kSession, kLanes, total}, &m);
   ::close(fd);  // the mapping outlives the descriptor
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(m->bytes(), total);
@@ -52,7 +52,7 @@ TEST(SessionMemory, MapsAValidObject) {
   EXPECT_EQ(LoadSemaphore(&m->lane(2)->done), 17u);
 }
 
-TEST(SessionMemory, RejectsBadMagicAndVersionAsSkew) {
+TEST(SessionMapping, RejectsBadMagicAndVersionAsSkew) {
   Status s = MapWith([](auto& h) { h.magic = 0x12345678; });
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_NE(s.message().find("magic"), std::string::npos);
@@ -61,7 +61,7 @@ TEST(SessionMemory, RejectsBadMagicAndVersionAsSkew) {
   EXPECT_NE(s.message().find("version " + std::to_string(v1::kLayoutVersion + 1)), std::string::npos) << s.message();
 }
 
-TEST(SessionMemory, RejectsInconsistentSizes) {
+TEST(SessionMapping, RejectsInconsistentSizes) {
   EXPECT_FALSE(MapWith([](auto& h) { h.total_bytes += 4096; }).ok());
   EXPECT_FALSE(MapWith([](auto& h) { h.total_bytes = 0; }).ok());
   // The memfd's size must equal what OpenSession announced.
@@ -72,7 +72,7 @@ TEST(SessionMemory, RejectsInconsistentSizes) {
   EXPECT_FALSE(MapWith([](auto& h) { h.total_bytes = 4096 + 100; }, 4096 + 100).ok());
 }
 
-TEST(SessionMemory, RejectsForeignSessionAndLaneMismatch) {
+TEST(SessionMapping, RejectsForeignSessionAndLaneMismatch) {
   EXPECT_FALSE(MapWith([](auto& h) { h.session_id = kSession + 1; }).ok());
   EXPECT_FALSE(MapWith([](auto& h) { h.lane_count = kLanes - 1; }).ok());
   EXPECT_FALSE(MapWith([](auto& h) { h.lane_count = 0; }).ok());
@@ -80,7 +80,7 @@ TEST(SessionMemory, RejectsForeignSessionAndLaneMismatch) {
   EXPECT_FALSE(MapWith([](auto& h) { h.lane_stride = 64; }).ok());
 }
 
-TEST(SessionMemory, RejectsLanesOrRingOutsideTheMapping) {
+TEST(SessionMapping, RejectsLanesOrRingOutsideTheMapping) {
   EXPECT_FALSE(MapWith([](auto& h) { h.lanes_offset = 0; }).ok());         // over the header
   EXPECT_FALSE(MapWith([](auto& h) { h.lanes_offset = 4096 + 64; }).ok());  // not a page multiple
   EXPECT_FALSE(MapWith([](auto& h) { h.lanes_offset = 8192; }).ok());       // runs past the end
@@ -92,7 +92,7 @@ TEST(SessionMemory, RejectsLanesOrRingOutsideTheMapping) {
   EXPECT_FALSE(MapWith([](auto& h) { h.ring_offset = 4096 + 512; h.ring_bytes = ~uint64_t{0}; }).ok());
 }
 
-TEST(SessionMemory, AcceptsARingInsideTheMapping) {
+TEST(SessionMapping, AcceptsARingInsideTheMapping) {
   const uint64_t total = 4096 * 4;
   Status s = MapWith([](auto& h) { h.ring_offset = 8192; h.ring_bytes = 8192; }, total, {kSession, kLanes, total});
   EXPECT_TRUE(s.ok()) << s.ToString();

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "cache_dit_opd/v1/opd.pb.h"
+#include "common/call_proto.h"
 #include "server/grpc/grpc_status.h"
 #include "server/grpc/proto_convert.h"
 
@@ -32,22 +33,24 @@ v1::CallRequest SampleCall() {
   return c;
 }
 
-TEST(ProtoTest, CallRequestRoundTripsOnTheWire) {
-  v1::CallRequest a = SampleCall();
-  std::string bytes;
-  ASSERT_TRUE(a.SerializeToString(&bytes));
-  v1::CallRequest b;
-  ASSERT_TRUE(b.ParseFromString(bytes));
-  EXPECT_EQ(b.SerializeAsString(), bytes);
-  EXPECT_EQ(b.args_size(), 8);
-  EXPECT_EQ(b.args(0).tensor().strides(0), 8192);
-  EXPECT_EQ(b.args(1).int_value(), -5);
-  EXPECT_EQ(b.args(7).value_case(), v1::Argument::kNone);
+TEST(ProtoTest, ACallRoundTripsThroughTheClientsEncoder) {
+  CallRequest r;
+  ASSERT_TRUE(CallFromProto(SampleCall(), &r).ok());
+  v1::CallRequest again;
+  again.set_session_id(7);
+  again.set_token(std::string(32, '\x01'));
+  CallToProto(r, &again);
+  EXPECT_EQ(again.SerializeAsString(), SampleCall().SerializeAsString());
+  r.host_ordered = true;
+  CallToProto(r, &again);
+  CallRequest back;
+  ASSERT_TRUE(CallFromProto(again, &back).ok());
+  EXPECT_TRUE(back.host_ordered);
 }
 
 TEST(ProtoTest, CallRequestDecodesToPlainTypes) {
   CallRequest r;
-  ASSERT_TRUE(FromProto(SampleCall(), &r).ok());
+  ASSERT_TRUE(CallFromProto(SampleCall(), &r).ok());
   EXPECT_EQ(r.op, "fused_merge_attn_states");
   EXPECT_EQ(r.overload, "out");
   EXPECT_EQ(r.lane, 1u);
@@ -71,8 +74,9 @@ TEST(ProtoTest, CallRequestDecodesToPlainTypes) {
 TEST(ProtoTest, MalformedCallsAreInvalidArgument) {
   auto expect_bad = [](v1::CallRequest c, const std::string& needle) {
     CallRequest r;
-    Status s = FromProto(c, &r);
+    Status s = CallFromProto(c, &r);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << needle;
+    EXPECT_EQ(s.reason(), Reason::kBadArgument) << needle;
     EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
   };
   v1::CallRequest c = SampleCall();

@@ -248,55 +248,6 @@ TEST(RingCodecTest, RandomMutationsNeverCrashOrPassUncheckedValues) {
   EXPECT_GT(ok, 0);  // value-only flips (region ids, offsets, ints) still decode
 }
 
-// The opd_ring_decode tool: the Python client's encoder is tested against it.
-std::string RunDecodeTool(const testing::TempDir& dir, const std::vector<uint8_t>& record, const std::string& catalog,
-                          int* exit_status) {
-  {
-    FILE* f = std::fopen(dir.File("record.bin").c_str(), "wb");
-    std::fwrite(record.data(), 1, record.size(), f);
-    std::fclose(f);
-    f = std::fopen(dir.File("catalog.txt").c_str(), "w");
-    std::fputs(catalog.c_str(), f);
-    std::fclose(f);
-  }
-  std::string cmd = std::string(OPD_RING_DECODE) + " " + dir.File("record.bin") + " " + dir.File("catalog.txt");
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
-  const int rc = pclose(p);
-  *exit_status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  return out;
-}
-
-TEST(RingDecodeToolTest, PrintsTheDecodedRecordAsJson) {
-  testing::TempDir dir;
-  RecordBuilder r(/*ticket=*/9, /*lane=*/1, /*seq=*/4, /*op_index=*/1);
-  r.Tensor(5, 4096, {2, 3}, {3, 1}, DType::kBFloat16)
-      .Int(-7)
-      .Float(0.1)
-      .Bool(1)
-      .IntList({1, -1})
-      .FloatList({1e-300, -2.5})
-      .BoolList({0, 1})
-      .None();
-  int rc = -1;
-  std::string out = RunDecodeTool(dir, r.Bytes(), "fused_merge_attn_states out\nfp8_comm_per_token_quant\n", &rc);
-  EXPECT_EQ(rc, 0);
-  EXPECT_EQ(out,
-            "{\"ok\": true, \"ticket\": 9, \"lane\": 1, \"seq\": 4, \"op\": \"fp8_comm_per_token_quant\", "
-            "\"overload\": \"\", \"args\": [{\"kind\": \"tensor\", \"region_id\": 5, \"byte_offset\": 4096, "
-            "\"sizes\": [2, 3], \"strides\": [3, 1], \"dtype\": 3}, {\"kind\": \"int\", \"value\": -7}, "
-            "{\"kind\": \"float\", \"value\": 0.10000000000000001}, {\"kind\": \"bool\", \"value\": true}, "
-            "{\"kind\": \"int_list\", \"values\": [1, -1]}, {\"kind\": \"float_list\", \"values\": "
-            "[1e-300, -2.5]}, {\"kind\": \"bool_list\", \"values\": [false, true]}, "
-            "{\"kind\": \"none\"}]}\n");
-  out = RunDecodeTool(dir, RecordBuilder(0, 0, 1, /*op_index=*/2).Bytes(), "a out\nb out\n", &rc);
-  EXPECT_EQ(rc, 1);
-  EXPECT_EQ(out,
-            "{\"ok\": false, \"code\": 3, \"message\": \"op_index 2 is out of range: the catalog has 2 op(s)\"}\n");
-}
-
 // Every kind through the encoder decodes to the same values.
 TEST(RingRecordTest, EveryKindRoundTripsThroughTheDaemonDecoder) {
   RecordArgs a;
