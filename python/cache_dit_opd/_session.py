@@ -612,7 +612,10 @@ def run(get_required: Callable[[int], Session], device_index: int, op: str, args
             _errors.raise_for(label, err)
         _depth.reconnected = True
     try:
-        if not _act_on_fallback(get_required(device_index), why, err, op, label, device_index, args):
+        s = get_required(device_index)  # opens or reopens the session, checks the catalog (activating it)
+        if s.native is None:  # a session without the engine (no ring: CACHE_DIT_OPD_RING=0, --no-ring)
+            return _run_host_ordered(get_required, device_index, op, label, args)
+        if not _act_on_fallback(s, why, err, op, label, device_index, args):
             return
     except SessionFailedError as e:  # registering found the session gone: dispatching again reconnects
         if not e.retryable or _depth.reconnected:

@@ -225,13 +225,19 @@ def test_out_overloads_and_empty_inputs(daemon):
     assert empty.shape == (0, 66)
 
 
-def test_daemon_rejects_what_the_client_lets_through(daemon):
-    # The .out overload with a wrong-dtype output: the client checks nothing, the daemon rejects it.
+def test_a_bad_out_call_raises_the_kernels_message_and_the_session_goes_on(daemon):
+    # The .out overload with a wrong-dtype output. The engine checks no values: the daemon rejects the
+    # call, and the Python implementation it is handed to raises the op's own check (the same words as
+    # the kernel library's, tests/python/test_client_parity.py). Without the engine Python checks first.
     x = torch.randn(4, 8, device="cuda", dtype=BF16)
     bad = torch.empty(4, 10, device="cuda", dtype=BF16)
-    with pytest.raises(ValueError, match=r"fp8_comm_per_token_quant\.out rejected by the daemon: .*output out must "
-                                         r"be torch\.float8_e4m3fn, got torch\.bfloat16"):
+    s = _session.get_session(0)
+    before = s.native.state()["fallbacks"]["rejected"] if s.native is not None else 0
+    with pytest.raises(ValueError, match=r"^fp8_comm_per_token_quant: output out must be torch\.float8_e4m3fn, got "
+                                         r"torch\.bfloat16$"):
         torch.ops.cache_dit_cuda_ops.fp8_comm_per_token_quant.out(x, out=bad)
+    if s.native is not None:
+        assert s.native.state()["fallbacks"]["rejected"] == before + 1  # the daemon saw it and said no
     assert kernels.fp8_comm_per_token_quant(x).shape == (4, 10)  # the session goes on
 
 

@@ -107,7 +107,7 @@ def test_a_new_allocation_goes_through_python_once(native):
     OPS.fp8_comm_per_token_quant.out(x, out=q)
     after = _state(s)
     assert mid["fallbacks"]["region_miss"] == before["fallbacks"]["region_miss"] + 1
-    assert mid["native_calls"] == before["native_calls"]
+    assert mid["native_calls"] == before["native_calls"] + 1  # Python registered q, then the engine ran it
     assert after["native_calls"] == mid["native_calls"] + 1
     assert after["fallbacks"]["region_miss"] == mid["fallbacks"]["region_miss"]
 
@@ -161,7 +161,8 @@ def test_graph_capture_is_refused_by_the_python_path(native):
 
 
 def test_pure_python_client_in_a_subprocess_gives_the_same_bytes(native, daemon):  # noqa: F811
-    """CACHE_DIT_OPD_NATIVE=0: the same calls through the pure-Python client are bitwise the same."""
+    """CACHE_DIT_OPD_NATIVE=0 (no engine) and CACHE_DIT_OPD_RING=0 (the engine loaded, a session without a
+    ring): the same call over host-ordered gRPC is bitwise the same as through the engine."""
     code = r"""
 import hashlib, sys, torch
 sys.path.insert(0, {tests!r})
@@ -175,12 +176,13 @@ print(_native.library() is not None, _session.get_session(0).native is not None,
       hashlib.sha256(q.view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
 """
     outs = {}
-    for flag in ("1", "0"):
-        r = fx.run_python(code.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=daemon.address, CACHE_DIT_OPD_NATIVE=flag)
+    for native, ring in (("1", "1"), ("0", "1"), ("1", "0")):
+        r = fx.run_python(code.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=daemon.address, CACHE_DIT_OPD_NATIVE=native,
+                          CACHE_DIT_OPD_RING=ring)
         assert r.returncode == 0, r.stderr
-        outs[flag] = r.stdout.split()
-    assert outs["1"][:2] == ["True", "True"] and outs["0"][:2] == ["False", "False"], outs
-    assert outs["1"][2] == outs["0"][2]
+        outs[native + ring] = r.stdout.split()
+    assert [o[:2] for o in outs.values()] == [["True", "True"], ["False", "False"], ["True", "False"]], outs
+    assert len({o[2] for o in outs.values()}) == 1, outs
 
 
 def test_functional_overloads_validate_in_python_then_run_natively(native):

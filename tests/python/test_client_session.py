@@ -102,6 +102,16 @@ def test_a_rejected_call_raises_value_error_and_the_session_goes_on(daemon):
     assert st.calls == 1 and st.errors == 1
 
 
+def test_a_session_without_the_engine_runs_the_call_host_ordered_whatever_the_engine_said(daemon):
+    """The engine's kernel hands every call of a session that has no engine (no ring) to Python: it goes
+    over gRPC, it is not handed back again."""
+    c = Client(daemon)
+    again = []
+    _session.run(lambda _idx: c.s, 0, "fp8_comm_per_token_quant", c.quant(), again=lambda: again.append(1))
+    assert again == [] and c.syncs == 1
+    assert session_stats(c).calls == 1
+
+
 def test_calls_from_many_threads_are_numbered_by_the_daemon(daemon):
     c = Client(daemon)
     args = [c.quant() for _ in range(4)]
