@@ -4,18 +4,10 @@
 
 #include <cstddef>
 #include <cstring>
-#include <sstream>
+
+#include "common/hex.h"
 
 namespace cache_dit_opd::client {
-namespace {
-
-std::string Hex(uint64_t v) {
-  std::ostringstream os;
-  os << "0x" << std::hex << v;
-  return os.str();
-}
-
-}  // namespace
 
 CudaLaneOps::CudaLaneOps(const cuda::DriverApi* api, int device, const SessionMapping* memory,
                          uint64_t device_base)

@@ -1,19 +1,13 @@
 #include "client/core/regions.h"
 
 #include <algorithm>
-#include <iomanip>
 #include <sstream>
 
+#include "common/hex.h"
 #include "common/view_extent.h"
 
 namespace cache_dit_opd::client {
 namespace {
-
-std::string Hex(uint64_t v) {
-  std::ostringstream os;
-  os << "0x" << std::hex << v;
-  return os.str();
-}
 
 std::string Dims(const std::vector<int64_t>& v) {
   std::ostringstream os;

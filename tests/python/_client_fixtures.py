@@ -62,6 +62,18 @@ def fake_daemon_binary_path() -> str:
     return os.path.join(build_dir(), "tests", "fake_daemon", "opd_fake_daemon")
 
 
+def built(path: str) -> str:
+    """``path``, a build output; skips the test when it is missing, or fails it under
+    CACHE_DIT_OPD_REQUIRE_BUILD=1 (CI builds everything first)."""
+    import pytest
+
+    if not os.path.exists(path):
+        if os.environ.get("CACHE_DIT_OPD_REQUIRE_BUILD") == "1":
+            pytest.fail(f"{path} is not built (CACHE_DIT_OPD_REQUIRE_BUILD=1)")
+        pytest.skip(f"{path} is not built")
+    return path
+
+
 def short_tmpdir() -> str:
     """A fresh directory with a short path: AF_UNIX socket paths are limited to 107 bytes."""
     return tempfile.mkdtemp(prefix="cdo-", dir="/tmp")
@@ -71,16 +83,9 @@ def daemon(directory: str | None = None, *flags: str, fake: bool = True, device:
            serving: bool = True, socket: str | None = None) -> Daemon:
     """A started daemon on ``<directory>/opd.sock``; ``fake``: the fake-device daemon (CPU tests).
 
-    Skips the test when the binary is not built, unless CACHE_DIT_OPD_REQUIRE_BUILD=1 (CI), where a
-    missing binary fails it. Extra daemon flags can be given with CACHE_DIT_OPD_DAEMON_ARGS.
+    The binary must be built (``built``). Extra daemon flags can be given with CACHE_DIT_OPD_DAEMON_ARGS.
     """
-    import pytest
-
-    binary = fake_daemon_binary_path() if fake else daemon_binary_path()
-    if not os.path.exists(binary):
-        if os.environ.get("CACHE_DIT_OPD_REQUIRE_BUILD") == "1":
-            pytest.fail(f"{binary} is not built (CACHE_DIT_OPD_REQUIRE_BUILD=1)")
-        pytest.skip(f"{binary} is not built")
+    binary = built(fake_daemon_binary_path() if fake else daemon_binary_path())
     extra = [*flags, *os.environ.get("CACHE_DIT_OPD_DAEMON_ARGS", "").split()]
     return Daemon(Path(binary), Path(directory or short_tmpdir()), device, extra, env, socket).start(serving=serving)
 

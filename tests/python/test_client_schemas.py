@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 
-import pytest
 import torch
 
 import _client_fixtures as fx
@@ -55,11 +54,7 @@ def _client_schemas() -> dict:
 
 
 def test_committed_schemas_are_what_the_op_table_generates():
-    gen = os.path.join(fx.build_dir(), "kernels", "opd_schemas_py")
-    if not os.path.exists(gen):
-        if os.environ.get("CACHE_DIT_OPD_REQUIRE_BUILD") == "1":
-            pytest.fail(f"{gen} is not built (CACHE_DIT_OPD_REQUIRE_BUILD=1)")
-        pytest.skip(f"{gen} is not built")
+    gen = fx.built(os.path.join(fx.build_dir(), "kernels", "opd_schemas_py"))
     fresh = subprocess.run([gen], capture_output=True, text=True, check=True).stdout
     with open(_schemas.__file__) as f:
         assert f.read() == fresh, ("python/cache_dit_opd/_schemas.py is stale: regenerate it with "
@@ -76,9 +71,7 @@ def test_client_in_a_fresh_process_defines_exactly_these():
 
 
 def test_schemas_equal_the_kernel_library():
-    lib = fx.kernel_library_path()
-    if not os.path.exists(lib):
-        pytest.skip(f"kernel library not built: {lib} (set CACHE_DIT_OPD_BUILD_DIR to the CMake build dir)")
+    lib = fx.built(fx.kernel_library_path())
     theirs = _dump(f"torch.ops.load_library({lib!r})")
     ours = _client_schemas()
     for full, schema in ours.items():

@@ -10,7 +10,6 @@ import os
 import struct
 import subprocess
 
-import pytest
 
 import _client_fixtures as fx
 
@@ -18,12 +17,7 @@ WIRE_PY = os.path.join(fx.PACKAGE_DIR, "_wire.py")
 
 
 def _generator():
-    path = os.path.join(fx.build_dir(), "proto", "opd_wire_py")
-    if not os.path.exists(path):
-        if os.environ.get("CACHE_DIT_OPD_REQUIRE_BUILD") == "1":
-            pytest.fail(f"{path} is not built (CACHE_DIT_OPD_REQUIRE_BUILD=1)")
-        pytest.skip(f"{path} is not built")
-    return path
+    return fx.built(os.path.join(fx.build_dir(), "proto", "opd_wire_py"))
 
 
 def test_committed_wire_py_is_what_the_headers_generate():
