@@ -23,6 +23,15 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
   reaper_ = std::make_unique<Reaper>();
   ExecutorOptions executor_options;
   executor_options.spin = std::chrono::microseconds(options_.spin_us);
+  executor_options.parking_slots = static_cast<int>(options_.parking_slots);
+  executor_options.park_deadline = std::chrono::milliseconds(options_.park_deadline_ms);
+  // Ending the session waits for the executor, so never on its thread.
+  executor_options.on_stalled = [this](const std::shared_ptr<Session>& s, const Status& why) {
+    const uint64_t id = s->id();
+    if (!reaper_->Post([this, id, why] { sessions_->End(id, why); })) {
+      spdlog::warn("session {}: shutting down; its stalled inputs end it with every other", id);
+    }
+  };
   executor_ = std::make_unique<Executor>(deps_.device_ops, deps_.runner, &stats_, executor_options,
                                          [this](const Status& s) { OnFatal(s); });
   SessionLimits limits;

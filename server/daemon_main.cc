@@ -2,6 +2,8 @@
 // -> start -> wait -> drain -> exit.
 #include "server/daemon_main.h"
 
+#include <algorithm>
+
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -56,6 +58,18 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
   if (dev.ok) {
     spdlog::info("device {}: {} {} (CUDA runtime {}, driver {})", dev.index, dev.name, dev.uuid,
                  dev.runtime_version, dev.driver_version);
+    // Parked waits stall every stream once they approach the hardware
+    // queues (server/exec/executor.h): at most a quarter of them.
+    if (dev.connections > 0) {
+      const uint32_t cap = static_cast<uint32_t>(std::max(1, dev.connections / 4));
+      if (opts.parking_slots > cap) {
+        spdlog::warn("--parking-slots {} lowered to {}: {} hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS)",
+                     opts.parking_slots, cap, dev.connections);
+        opts.parking_slots = cap;
+      }
+    }
+    spdlog::info("launch ahead: {} parking slot(s), {} hardware work queues, park deadline {} ms",
+                 opts.parking_slots, dev.connections, opts.park_deadline_ms);
   } else {
     spdlog::warn("not serving: {}", dev.reason);
   }

@@ -1,5 +1,9 @@
 // cache-dit-opd: the daemon on the GPU (server/daemon_main.h does the rest).
 #include <memory>
+#include <string>
+#include <vector>
+
+#include <spdlog/spdlog.h>
 
 #include "server/daemon_main.h"
 #include "server/device/cuda_device_ops.h"
@@ -12,7 +16,12 @@ namespace {
 
 class CudaBackend final : public DeviceBackend {
  public:
-  DeviceInfo Probe(int device) override { return cuda::ProbeDevice(device); }
+  DeviceInfo Probe(int device) override {
+    std::vector<std::string> notes;
+    cuda::ConfigureCudaEnvironment(&notes);
+    for (const std::string& n : notes) spdlog::warn("{}", n);
+    return cuda::ProbeDevice(device);
+  }
   Status Open(const DeviceInfo& device, std::unique_ptr<DeviceOps>* ops,
               std::unique_ptr<RegionOpener>* opener) override {
     std::unique_ptr<cuda::CudaDeviceOps> cuda_ops;

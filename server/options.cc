@@ -171,6 +171,12 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     } else if (flag == "--spin-us") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 100000, &opts->spin_us));
+    } else if (flag == "--parking-slots") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 32, &opts->parking_slots));
+    } else if (flag == "--park-deadline-ms") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 3600000, &opts->park_deadline_ms));
     } else if (flag == "--load-library") {
       OPD_RETURN_IF_ERROR(next());
       if (value.empty()) return Status::InvalidArgument("--load-library: empty path");
@@ -188,7 +194,7 @@ std::string OptionsUsage() {
          "                     [--max-mapped-bytes SIZE] [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
-         "                     [--spin-us US] ; see --help\n";
+         "                     [--spin-us US] [--parking-slots N] [--park-deadline-ms MS] ; see --help\n";
 }
 
 std::string OptionsHelp() {
@@ -233,6 +239,15 @@ std::string OptionsHelp() {
          "                           the executor (then on a condition variable). Default 200;\n"
          "                           0 sleeps at once. Waking a sleeping thread costs tens of\n"
          "                           microseconds per call; an idle daemon uses no CPU.\n"
+         "  --parking-slots N        Lanes that may have a GPU wait on their client's inputs parked\n"
+         "                           at once, in [0, 32] (default 8; at most a quarter of\n"
+         "                           CUDA_DEVICE_MAX_CONNECTIONS, which the daemon sets to 32).\n"
+         "                           Such a lane's calls are launched as soon as they are decoded;\n"
+         "                           other lanes' calls wait on the host until their inputs are\n"
+         "                           ready. 0: every call waits on the host.\n"
+         "  --park-deadline-ms MS    A parked lane whose inputs have not moved for MS gives up its\n"
+         "                           slot when another lane needs one; its session ends with\n"
+         "                           INPUTS_STALLED (default 2000).\n"
          "  -h, --help               Print this help and exit.\n"
          "\n"
          "Sockets are created mode 0660. A stale socket (nobody accepts on it) is replaced; a live\n"

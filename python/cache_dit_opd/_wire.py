@@ -69,6 +69,7 @@ REASONS = {
     "BIND_TIMEOUT": (19, 4, 4),
     "CLOSED": (20, 1, 4),
     "INTERNAL": (21, 13, 5),
+    "INPUTS_STALLED": (22, 4, 4),
 }
 # google.rpc.Code -> action, for an error without a reason (others: fail)
 CODE_ACTIONS = {

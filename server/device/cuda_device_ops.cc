@@ -63,6 +63,19 @@ void CudaDeviceOps::DestroyStream(void* stream) {
   cudaStreamDestroy(static_cast<cudaStream_t>(stream));
 }
 
+Status CudaDeviceOps::WaitValue64(void* stream, uint64_t addr, uint64_t value, bool* sticky) {
+  Status s;
+  const DriverApi* api = GetDriverApi(&s);
+  if (api == nullptr) return s;
+  CUresult r = api->stream_wait_value64(static_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value,
+                                        CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS) {
+    if (sticky != nullptr && IsStickyCudaError(r)) *sticky = true;
+    return Status::Internal("cuStreamWaitValue64_v2: ", DriverErrorString(r));
+  }
+  return Status::Ok();
+}
+
 Status CudaDeviceOps::WriteValue64(void* stream, std::span<const uint64_t> addrs, uint64_t value,
                                    bool* sticky) {
   Status s;

@@ -2,8 +2,8 @@
 //
 // DeviceOps (server/device/device_ops.h) on a real GPU: host-memory registration
 // with cuMemHostRegister (DEVICEMAP | PORTABLE), non-blocking streams, and
-// semaphore writes with cuStreamWriteValue64_v2. Every method first makes the
-// daemon's device current on the calling thread, so any daemon thread may
+// semaphore writes and waits with cuStream{Write,Wait}Value64_v2. Every
+// method first makes the daemon's device current on the calling thread, so any daemon thread may
 // use it.
 #pragma once
 
@@ -24,6 +24,7 @@ class CudaDeviceOps final : public DeviceOps {
   void UnregisterHostMemory(void* p) override;
   Status CreateStream(void** stream) override;
   void DestroyStream(void* stream) override;
+  Status WaitValue64(void* stream, uint64_t device_address, uint64_t value, bool* sticky) override;
   Status WriteValue64(void* stream, std::span<const uint64_t> device_addresses, uint64_t value,
                       bool* sticky) override;
 

@@ -35,6 +35,7 @@ struct DeviceInfo {
   std::string name;         // e.g. "NVIDIA H200"
   int runtime_version = 0;  // cudaRuntimeGetVersion()
   int driver_version = 0;   // cudaDriverGetVersion(); 0 without a driver
+  int connections = 0;      // hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS); 0 unknown
 };
 
 class DeviceOps {
@@ -67,6 +68,15 @@ class DeviceOps {
   // the error leaves the CUDA context unusable.
   virtual Status WriteValue64(void* stream, std::span<const uint64_t> device_addresses,
                               uint64_t value, bool* sticky) = 0;
+
+  // DeviceOps::WaitValue64
+  //
+  // Enqueues on `stream` a wait until the 64-bit value at `device_address`
+  // is >= `value` (cuStreamWaitValue64_v2, GEQ): the stream's later work
+  // starts only after it. Never waits on the host. The executor bounds how
+  // many lanes may have such a wait parked (server/exec/executor.h). INTERNAL
+  // on failure; `*sticky` as for WriteValue64.
+  virtual Status WaitValue64(void* stream, uint64_t device_address, uint64_t value, bool* sticky) = 0;
 };
 
 }  // namespace cache_dit_opd

@@ -2,11 +2,35 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <string>
 
 #include "common/cuda/driver_api.h"
 #include "common/gpu_uuid.h"
 
 namespace cache_dit_opd::cuda {
+
+void ConfigureCudaEnvironment(std::vector<std::string>* notes) {
+  // Eager: a kernel loaded lazily at its first launch waits behind a parked
+  // stream wait (bench/probes/stream_queues.cu, PROBE_LAZY=1: it hangs).
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  if (loading == nullptr || std::string(loading) != "EAGER") {
+    if (loading != nullptr) {
+      notes->push_back(std::string("CUDA_MODULE_LOADING=") + loading +
+                       " replaced by EAGER (a lazily loaded kernel can wait behind a parked lane)");
+    }
+    setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+  }
+  if (std::getenv("CUDA_DEVICE_MAX_CONNECTIONS") == nullptr) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(kMaxConnections).c_str(), 1);
+  }
+}
+
+int DeviceConnections() {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  int n = v != nullptr ? std::atoi(v) : 8;  // CUDA's default
+  return n < 1 ? 8 : (n > kMaxConnections ? kMaxConnections : n);
+}
 
 DeviceInfo ProbeDevice(int device) {
   DeviceInfo info;
@@ -32,6 +56,7 @@ DeviceInfo ProbeDevice(int device) {
     return info;
   }
   info.index = device;
+  info.connections = DeviceConnections();
 
   cudaDeviceProp prop{};
   err = cudaGetDeviceProperties(&prop, device);

@@ -299,12 +299,17 @@ bool Executor::RunReady() {
         progress = true;
         continue;
       }
-      // The host-side gate: never park a GPU wait on a client's value. A
+      // Inputs not visibly ready: launch ahead behind a GPU wait if the lane
+      // holds (or gets) a parking slot, else leave it to the host check. A
       // host-ordered call's inputs were ready before it was sent.
-      if (!item.req.host_ordered && session.memory().InputsReady(lane.index) < item.req.seq) break;
+      const bool wait_on_gpu =
+          !item.req.host_ordered && session.memory().InputsReady(lane.index) < item.req.seq;
+      if (wait_on_gpu && !Park(q, item.req.seq)) break;
       const Clock::time_point run_start = Clock::now();
       bool sticky = false;
-      Status s = runner_->Run(*item.prepared, lane.stream, &sticky);
+      Status s = wait_on_gpu ? device_->WaitValue64(lane.stream, lane.shm_inputs_address, item.req.seq, &sticky)
+                             : Status::Ok();
+      if (s.ok()) s = runner_->Run(*item.prepared, lane.stream, &sticky);
       if (sticky) {
         Status fatal = Status::Rejected(Reason::kDeviceLost, "sticky CUDA error in ", item.req.op, ": ", s.message());
         Fail(fatal);
@@ -329,7 +334,74 @@ bool Executor::RunReady() {
   return progress;
 }
 
+bool Executor::Park(LaneQueue& q, uint64_t seq) {
+  if (auto it = parked_.find(q.lane); it != parked_.end()) {
+    it->second.seq = std::max(it->second.seq, seq);
+    return true;
+  }
+  if (options_.parking_slots <= 0) return false;
+  if (parked_.size() >= static_cast<size_t>(options_.parking_slots)) ReapParked();
+  if (parked_.size() >= static_cast<size_t>(options_.parking_slots)) {
+    // Full: take the slot of the lane stalled longest, if past the deadline.
+    const Clock::time_point now = Clock::now();
+    auto victim = parked_.end();
+    for (auto it = parked_.begin(); it != parked_.end(); ++it) {
+      if (now - it->second.moved >= options_.park_deadline &&
+          (victim == parked_.end() || it->second.moved < victim->second.moved)) {
+        victim = it;
+      }
+    }
+    if (victim == parked_.end()) return false;
+    Parked stalled = victim->second;
+    stalled.session->memory().RaiseInputsReady(stalled.lane->index, stalled.seq);
+    parked_.erase(victim);
+    const Status why = Status::Rejected(
+        Reason::kInputsStalled, "session ", stalled.session->id(), " lane ", stalled.lane->index,
+        ": inputs_ready stayed at ", stalled.seen, " below parked call ", stalled.seq, " for ",
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - stalled.moved).count(),
+        " ms while another lane needed its parking slot; the wait was released and the session ends");
+    spdlog::warn("executor: {}", why.message());
+    if (options_.on_stalled) options_.on_stalled(stalled.session, why);
+  }
+  const uint64_t seen = q.session->memory().InputsReady(q.lane->index);
+  parked_.emplace(q.lane, Parked{q.session, q.lane, seq, seen, Clock::now()});
+  parked_count_.store(parked_.size(), std::memory_order_release);
+  return true;
+}
+
+void Executor::ReapParked() {
+  const Clock::time_point now = Clock::now();
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    Parked& p = it->second;
+    const uint64_t ready = p.session->memory().InputsReady(p.lane->index);
+    if (ready >= p.seq) {
+      it = parked_.erase(it);
+      continue;
+    }
+    if (ready != p.seen) {
+      p.seen = ready;
+      p.moved = now;
+    }
+    ++it;
+  }
+  parked_count_.store(parked_.size(), std::memory_order_release);
+}
+
+void Executor::ReleaseParked(const std::shared_ptr<Session>& session) {
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (session && it->second.session != session) {
+      ++it;
+      continue;
+    }
+    it->second.session->memory().RaiseInputsReady(it->second.lane->index, it->second.seq);
+    it = parked_.erase(it);
+  }
+  parked_count_.store(parked_.size(), std::memory_order_release);
+}
+
 void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reason) {
+  // Parked waits first: what this session has on the GPU must drain.
+  ReleaseParked(session);
   for (auto qit = queues_.begin(); qit != queues_.end();) {
     LaneQueue& q = qit->second;
     if (session && q.session != session) {
@@ -382,7 +454,7 @@ void Executor::Loop() {
     // Spin without the lock while progress is recent and nothing is queued:
     // the next call of a busy client lands here instead of waking a
     // sleeping thread.
-    const bool idle = queues_.empty() && awaiting_.empty();
+    const bool idle = queues_.empty() && awaiting_.empty() && parked_.empty();
     if (idle) {
       while (!news_.load(std::memory_order_acquire) && Clock::now() < spin_until) CpuRelax();
     }
@@ -433,11 +505,12 @@ void Executor::Loop() {
     }
 
     const bool ran = RunReady();
+    if (!parked_.empty()) ReapParked();
     if (Answer() || ran) {
       waiting = false;
       backoff = std::chrono::microseconds{0};
       spin_until = Clock::now() + options_.spin;
-    } else if (!queues_.empty() || !awaiting_.empty()) {
+    } else if (!queues_.empty() || !awaiting_.empty() || !parked_.empty()) {
       waiting = true;
       if (Clock::now() < spin_until) {
         CpuRelax();

@@ -12,10 +12,26 @@
 //     seq order. Submit accepts only seq == previous + 1 (first is 1);
 //     anything else is INVALID_ARGUMENT naming the expected and the received
 //     seq, completed at once, with no "done" write (done stays monotone).
-//   - No client can stall another: before enqueueing call n the executor
-//     checks on the HOST that the lane's inputs_ready >= n. No GPU wait on a
-//     client-controlled value is ever placed in the daemon's streams. A lane
-//     whose inputs never become ready holds back only its own later calls.
+//   - Launch ahead, bounded: a call whose inputs are not ready yet (the
+//     lane's inputs_ready < n, read on the host) is enqueued at once behind a
+//     GPU wait "inputs_ready >= n" on its lane stream, if its lane holds one
+//     of `parking_slots` parking slots (it keeps it while any such wait may
+//     still be pending; later calls of the lane need no other). Without a
+//     slot the call waits in its queue until the host sees inputs_ready >= n,
+//     and nothing of it is on the GPU. The bound is what keeps a client from
+//     stalling another: a stream wait that never completes holds up nothing
+//     else while few are parked, but once parked waits approach
+//     CUDA_DEVICE_MAX_CONNECTIONS every stream of the device stalls
+//     (measured on the H200: 8 parked with 32 connections block none of 88
+//     other streams, 31 block 49 of 65; bench/probes/stream_queues.cu). A
+//     call whose inputs the host already sees ready gets no wait.
+//   - Releasing a parked wait: when the session ends (closed, its client
+//     dead, dropped), its lanes' inputs_ready are raised from the host to
+//     every parked seq, so its calls run (on that client's own memory) and
+//     its lanes drain. A lane whose inputs_ready has not moved for
+//     `park_deadline` loses its slot when another lane needs one: it is
+//     released the same way and `on_stalled` is told (the daemon ends that
+//     session with INPUTS_STALLED).
 //   - After the kernel (or, for a call rejected by validation, in its place)
 //     the lane stream writes done = n, then the daemon-private copy (see
 //     server/session/session.h), so "done" reaches every seq in order, and a client
@@ -34,10 +50,16 @@
 //
 // Polling: the thread spins for `spin` after its last progress (a wake-up
 // of a sleeping thread costs tens of microseconds, more than a call). Then,
-// while some queued call waits for inputs_ready, it sleeps with exponential
-// backoff up to `max_backoff` (timer slack 1 us, so a short sleep is
-// short); with nothing queued it sleeps on a condition variable (no CPU
-// burn when idle). New submissions wake it at once.
+// while some queued call waits for inputs_ready on the host or some lane
+// holds a parking slot, it sleeps with exponential backoff up to
+// `max_backoff` (timer slack 1 us, so a short sleep is short); with nothing
+// queued or parked it sleeps on a condition variable (no CPU burn when
+// idle). New submissions wake it at once.
+//
+// Lazy module loading (CUDA_MODULE_LOADING=LAZY, torch's default) loads a
+// kernel at its first launch, and that load waits behind a parked stream
+// wait (measured: it hangs). The daemon therefore loads modules eagerly
+// (server/device/device_probe.h) before any slot can be used.
 //
 // A sticky CUDA error completes the call with UNAVAILABLE, rejects every
 // later one, and calls the fatal hook once (the daemon then fails every
@@ -71,6 +93,15 @@ struct ExecutorOptions {
   std::chrono::microseconds spin{50};
   std::chrono::microseconds max_backoff{1000};  // longest sleep while calls wait
   int max_calls_per_lane_turn = 16;             // fairness between lanes
+  // Lanes that may have a GPU wait on their client's inputs_ready parked at
+  // once (--parking-slots); 0: every call waits for its inputs on the host.
+  int parking_slots = 8;
+  // A lane whose inputs_ready has not moved for this long gives up its slot
+  // (and its session) when another lane needs one (--park-deadline-ms).
+  std::chrono::milliseconds park_deadline{2000};
+  // Told (on the executor thread) that `session` was released for stalling;
+  // the daemon ends it. Must not call back into the executor synchronously.
+  std::function<void(const std::shared_ptr<Session>&, const Status&)> on_stalled;
 };
 
 class Executor {
@@ -124,6 +155,8 @@ class Executor {
 
   // Calls queued and not yet completed.
   size_t pending() const;
+  // Lanes holding a parking slot (as of the executor's last look).
+  size_t parked() const { return parked_count_.load(std::memory_order_acquire); }
   bool failed() const;
 
  private:
@@ -150,6 +183,14 @@ class Executor {
     Lane* lane = nullptr;
     std::deque<Item> items;
   };
+  // A lane holding a parking slot: a GPU wait up to `seq` may be pending.
+  struct Parked {
+    std::shared_ptr<Session> session;
+    Lane* lane;
+    uint64_t seq;                              // highest seq enqueued behind a wait
+    uint64_t seen;                             // inputs_ready when last looked at
+    std::chrono::steady_clock::time_point moved;  // when `seen` last grew
+  };
   struct Command {
     std::shared_ptr<Session> session;  // null: every session
     Status reason;
@@ -174,6 +215,15 @@ class Executor {
   // calls with `reason`.
   void DropAwaiting(const std::shared_ptr<Session>& session, const Status& reason);
   void Fail(const Status& status);
+  // Gives `q`'s lane a parking slot for a wait up to `seq` (it may hold one
+  // already); false when none is free and none can be taken from a stalled
+  // lane.
+  bool Park(LaneQueue& q, uint64_t seq);
+  // Frees the slots of lanes whose inputs_ready reached their parked seq.
+  void ReapParked();
+  // Raises the parked lanes' inputs_ready (of `session`, or every one for
+  // null) and frees their slots.
+  void ReleaseParked(const std::shared_ptr<Session>& session);
 
   DeviceOps* const device_;
   CallRunner* const runner_;
@@ -197,6 +247,8 @@ class Executor {
 
   std::map<Lane*, LaneQueue> queues_;  // executor thread only
   std::vector<Awaiting> awaiting_;     // executor thread only
+  std::map<Lane*, Parked> parked_;     // executor thread only
+  std::atomic<size_t> parked_count_{0};
   std::thread thread_;
 };
 

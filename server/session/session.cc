@@ -37,6 +37,8 @@ Status Session::Create(const SessionConfig& config, DeviceOps* device, RegionOpe
     lane->index = i;
     uint64_t done_offset = SessionMemory::LaneOffset(i) + offsetof(v1::LaneSemaphores, done);
     lane->shm_done_address = shm_device + done_offset;
+    lane->shm_inputs_address =
+        shm_device + SessionMemory::LaneOffset(i) + offsetof(v1::LaneSemaphores, inputs_ready);
     lane->completed = reinterpret_cast<uint64_t*>(static_cast<char*>(p) + i * kCounterStride);
     lane->completed_address = private_device + i * kCounterStride;
     OPD_RETURN_IF_ERROR(device->CreateStream(&lane->stream));

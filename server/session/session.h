@@ -7,7 +7,8 @@
 // Lanes (one per client stream). Each has
 //   - its own daemon stream (non-blocking), on which calls run in seq order,
 //   - the client-visible semaphores in the shared memory (inputs_ready: the
-//     client's, read by the executor on the host; done: written by the lane
+//     client's, read by the executor on the host or waited on by the lane
+//     stream when the lane holds a parking slot; done: written by the lane
 //     stream after each call),
 //   - a daemon-private copy of "done" (`completed`), written by the same
 //     stream right after the shared one. Region release and drain decisions
@@ -40,6 +41,7 @@ struct Lane {
   uint32_t index = 0;
   void* stream = nullptr;             // daemon stream (DeviceOps::CreateStream)
   uint64_t shm_done_address = 0;      // device address of the shared "done"
+  uint64_t shm_inputs_address = 0;    // device address of the shared "inputs_ready"
   uint64_t* completed = nullptr;      // daemon-private "done" (host pointer)
   uint64_t completed_address = 0;     // its device address
   // The next seq the transports may submit; guarded by the executor's mutex.

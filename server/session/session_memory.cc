@@ -87,6 +87,13 @@ uint64_t SessionMemory::InputsReady(uint32_t i) const {
   return std::atomic_ref<uint64_t>(lane(i)->inputs_ready).load(std::memory_order_acquire);
 }
 
+void SessionMemory::RaiseInputsReady(uint32_t i, uint64_t value) {
+  std::atomic_ref<uint64_t> word(lane(i)->inputs_ready);
+  uint64_t seen = word.load(std::memory_order_acquire);
+  while (seen < value && !word.compare_exchange_weak(seen, value, std::memory_order_acq_rel)) {
+  }
+}
+
 uint64_t SessionMemory::Done(uint32_t i) const {
   return std::atomic_ref<uint64_t>(lane(i)->done).load(std::memory_order_acquire);
 }

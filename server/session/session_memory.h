@@ -8,7 +8,8 @@
 // The memory is hostile input: the client can write any byte at any time.
 // The daemon reads only values from it (a lane's inputs_ready), each with one
 // acquire load, and never trusts a size or an offset found there. It writes
-// the header once at creation and the heartbeat counter afterwards; the
+// the header once at creation and the heartbeat counter afterwards (and a
+// lane's inputs_ready only to release a parked wait of a failed session); the
 // lanes' "done" values are written by the daemon's lane streams, not the host.
 //
 // The call ring (proto/cache_dit_opd/v1/ring.h), when the session has one,
@@ -65,6 +66,11 @@ class SessionMemory {
   // Acquire loads of a lane's semaphores (the client may write them anytime).
   uint64_t InputsReady(uint32_t lane) const;
   uint64_t Done(uint32_t lane) const;
+  // Raises lane `lane`'s inputs_ready to at least `value` from the host:
+  // releases a GPU wait the executor parked on it for a client that died or
+  // stalled (the only memory the released calls then touch is that
+  // client's own).
+  void RaiseInputsReady(uint32_t lane, uint64_t value);
   // Increments the header's daemon_heartbeat (release store).
   void Heartbeat();
 

@@ -8,13 +8,18 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/device/device_ops.h"
@@ -23,9 +28,20 @@
 
 namespace cache_dit_opd::testing {
 
-// Device addresses are host addresses; a stream "runs" everything at once.
+// Device addresses are host addresses. A stream runs its work at once,
+// except behind a wait whose value is not reached yet: then what follows
+// (writes, and runs enqueued through Enqueue) stays queued, in order, until
+// a pump thread (started by the first such wait) sees the value.
 class FakeDeviceOps : public DeviceOps {
  public:
+  ~FakeDeviceOps() override {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      pump_stop_ = true;
+    }
+    pump_cv_.notify_all();
+    if (pump_.joinable()) pump_.join();
+  }
   Status RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) override {
     std::lock_guard<std::mutex> lock(mu);
     if (fail_register) return Status::Internal("fake cuMemHostRegister failure");
@@ -46,6 +62,39 @@ class FakeDeviceOps : public DeviceOps {
   void DestroyStream(void* stream) override {
     std::lock_guard<std::mutex> lock(mu);
     streams.erase(stream);
+    // What it still had queued never reads its (soon unmapped) memory.
+    if (auto it = queued_.find(stream); it != queued_.end()) it->second.clear();
+  }
+  Status WaitValue64(void* stream, uint64_t address, uint64_t value, bool* sticky) override {
+    (void)sticky;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!streams.count(stream)) return Status::Internal("wait on unknown stream");
+    waits.push_back({stream, value});
+    auto& q = queued_[stream];
+    if (q.empty() && Load(address) >= value) return Status::Ok();
+    q.push_back(Op{address, value, {}, {}, true});
+    if (!pump_.joinable()) pump_ = std::thread([this] { Pump(); });
+    pump_cv_.notify_all();
+    return Status::Ok();
+  }
+  // Runs `fn` in `stream`'s order: now, or once the waits before it pass.
+  void Enqueue(void* stream, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = queued_.find(stream);
+      if (it != queued_.end() && !it->second.empty()) {
+        it->second.push_back(Op{0, 0, {}, std::move(fn), false});
+        return;
+      }
+    }
+    fn();
+  }
+  // Streams with work queued behind a wait.
+  size_t blocked_streams() {
+    std::lock_guard<std::mutex> lock(mu);
+    size_t n = 0;
+    for (auto& [st, q] : queued_) n += q.empty() ? 0 : 1;
+    return n;
   }
   Status WriteValue64(void* stream, std::span<const uint64_t> addrs, uint64_t value, bool* sticky) override {
     {
@@ -55,6 +104,10 @@ class FakeDeviceOps : public DeviceOps {
       if (sticky_after > 0 && writes.size() >= sticky_after) {
         if (sticky) *sticky = true;
         return Status::Internal("fake illegal address (a sticky CUDA error)");
+      }
+      if (auto it = queued_.find(stream); it != queued_.end() && !it->second.empty()) {
+        it->second.push_back(Op{0, value, std::vector<uint64_t>(addrs.begin(), addrs.end()), {}, false});
+        return Status::Ok();
       }
       if (hold_writes) {
         held.push_back({std::vector<uint64_t>(addrs.begin(), addrs.end()), value});
@@ -93,12 +146,76 @@ class FakeDeviceOps : public DeviceOps {
   std::mutex mu;
   std::map<void*, size_t> registered;
   std::set<void*> streams;
+  std::vector<std::pair<void*, uint64_t>> waits;  // every WaitValue64 (stream, value)
   uintptr_t next_stream = 0x1000;
   std::vector<std::pair<void*, uint64_t>> writes;
   bool hold_writes = false;  // queue writes until FlushHeld (GPU "behind")
   size_t sticky_after = 0;   // the n-th write (and every later one) fails with a sticky error; 0: never
   std::vector<std::pair<std::vector<uint64_t>, uint64_t>> held;
   bool fail_register = false;
+
+ private:
+  struct Op {
+    uint64_t wait_address;  // a wait: until *wait_address >= value
+    uint64_t value;
+    std::vector<uint64_t> write_addresses;  // a write of `value`
+    std::function<void()> run;              // an enqueued run
+    bool is_wait;
+  };
+  static uint64_t Load(uint64_t address) {
+    return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(address)).load(std::memory_order_acquire);
+  }
+  // The "GPU": advances every stream past the waits whose values arrived.
+  void Pump() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!pump_stop_) {
+      std::vector<std::pair<std::deque<Op>*, std::function<void()>>> runs;
+      bool any = false;
+      for (auto& [stream, q] : queued_) {
+        while (!q.empty()) {
+          Op& op = q.front();
+          if (op.is_wait) {
+            if (Load(op.wait_address) < op.value) break;
+          } else if (op.run) {
+            // Runs outside our lock (it takes the runner's); it stays at
+            // the front meanwhile, so later work still queues behind it.
+            runs.emplace_back(&q, op.run);
+            break;
+          } else {
+            for (uint64_t a : op.write_addresses) {
+              std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(a)).store(op.value, std::memory_order_release);
+            }
+          }
+          q.pop_front();
+        }
+        any = any || !q.empty();
+      }
+      if (!runs.empty()) {
+        lock.unlock();
+        for (auto& [q, fn] : runs) fn();
+        lock.lock();
+        for (auto& [q, fn] : runs) {
+          if (!q->empty()) q->pop_front();  // DestroyStream may have cleared it
+        }
+        continue;
+      }
+      if (any) {
+        pump_cv_.wait_for(lock, std::chrono::microseconds(100));
+      } else {
+        pump_cv_.wait(lock, [&] {
+          if (pump_stop_) return true;
+          for (auto& [st, q] : queued_) {
+            if (!q.empty()) return true;
+          }
+          return false;
+        });
+      }
+    }
+  }
+  std::map<void*, std::deque<Op>> queued_;  // guarded by mu
+  std::condition_variable pump_cv_;
+  bool pump_stop_ = false;  // guarded by mu
+  std::thread pump_;
 };
 
 inline std::string Handle(uint8_t tag) { return std::string(64, static_cast<char>(tag)); }
@@ -192,14 +309,26 @@ class FakeRunner : public CallRunner {
   }
   Status Run(PreparedCall& call, void* stream, bool* sticky) override {
     auto& p = static_cast<FakePrepared&>(call);
-    std::lock_guard<std::mutex> lock(mu);
-    ran.push_back({stream, p.lane, p.seq, p.name});
     if (p.name == "sticky") {
+      std::lock_guard<std::mutex> lock(mu);
+      ran.push_back({stream, p.lane, p.seq, p.name});
       *sticky = true;
       return Status::Internal("fake illegal address");
     }
+    Ran r{stream, p.lane, p.seq, p.name};
+    auto record = [this, r] {
+      std::lock_guard<std::mutex> lock(mu);
+      ran.push_back(r);
+    };
+    // In stream order (behind a parked wait) when wired to the device fake.
+    if (device != nullptr) {
+      device->Enqueue(stream, record);
+    } else {
+      record();
+    }
     return Status::Ok();
   }
+  FakeDeviceOps* device = nullptr;  // when set, runs "execute" on its streams
   std::vector<Ran> ran_copy() {
     std::lock_guard<std::mutex> lock(mu);
     return ran;

@@ -33,6 +33,9 @@ DAEMON_SIDE_ONLY = {
     "SESSION_ENDED": "tests/cpp/server/executor_test.cc (a call submitted for an ended session); from outside "
                      "only a race with End(), which removes the session first (later calls: SESSION_UNKNOWN)",
     "INTERNAL": "no outside trigger: the daemon's own invariants (e.g. dispatch preparing nothing)",
+    "INPUTS_STALLED": "tests/cpp/server/executor_test.cc (AStalledLaneLosesItsSlotPastTheDeadlineWhenAnotherNeedsIt); "
+                      "it ends the session, whose calls were answered when accepted (test_launch_ahead.py: the "
+                      "stalled client's session ends and the other client's calls run)",
 }
 
 

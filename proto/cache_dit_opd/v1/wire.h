@@ -103,7 +103,8 @@ inline constexpr int kMaxListLength = 64;
   X(kDeviceLost, 18, DEVICE_LOST, 14, kReconnect)           /* sticky CUDA error: the daemon restarts */ \
   X(kBindTimeout, 19, BIND_TIMEOUT, 4, kReconnect)          /* not bound within the bind deadline */ \
   X(kClosed, 20, CLOSED, 1, kReconnect)                     /* closed by its client or its channel */ \
-  X(kInternal, 21, INTERNAL, 13, kFail)                     /* a daemon-side failure */
+  X(kInternal, 21, INTERNAL, 13, kFail)                     /* a daemon-side failure */ \
+  X(kInputsStalled, 22, INPUTS_STALLED, 4, kReconnect)      /* a parked wait on inputs_ready timed out */
 
 // X(google.rpc.Code, action) for errors without a reason.
 #define CACHE_DIT_OPD_CODE_ACTIONS(X) \

@@ -81,18 +81,34 @@ bool WaitUntil(Pred pred, std::chrono::milliseconds timeout = 5000ms) {
   return true;
 }
 
+// The host-check executor (no parking slot): a call whose inputs are not
+// ready stays queued on the host. LaunchAheadTest below covers the slots.
 class ExecutorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    executor_ = std::make_unique<Executor>(&device_, &runner_, &stats_, ExecutorOptions{},
-                                           [this](const Status& s) {
-                                             std::lock_guard<std::mutex> lock(mu_);
-                                             ++fatal_calls_;
-                                             fatal_ = s;
-                                           });
-    executor_->Start();
+    runner_.device = &device_;  // runs follow their stream's order
+    ExecutorOptions o;
+    o.parking_slots = 0;
+    Recreate(o);
   }
   void TearDown() override { executor_->Stop(); }
+  void Recreate(ExecutorOptions o) {
+    if (executor_) executor_->Stop();
+    o.on_stalled = [this](const std::shared_ptr<Session>& s, const Status& why) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stalled_.emplace_back(s->id(), why);
+    };
+    executor_ = std::make_unique<Executor>(&device_, &runner_, &stats_, o, [this](const Status& s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++fatal_calls_;
+      fatal_ = s;
+    });
+    executor_->Start();
+  }
+  std::vector<std::pair<uint64_t, Status>> stalled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stalled_;
+  }
 
   std::shared_ptr<Session> NewSession(uint32_t lanes, bool bound = true) {
     SessionConfig c;
@@ -117,6 +133,7 @@ class ExecutorTest : public ::testing::Test {
   std::mutex mu_;
   int fatal_calls_ = 0;
   Status fatal_;
+  std::vector<std::pair<uint64_t, Status>> stalled_;  // guarded by mu_
 };
 
 TEST_F(ExecutorTest, RunsInSeqOrderAndWritesDone) {
@@ -458,6 +475,157 @@ TEST_F(ExecutorTest, StopCompletesEverythingQueued) {
   std::promise<void> then;
   executor_->DropSession(s, Status::Cancelled("late"), [&] { then.set_value(); });
   EXPECT_EQ(then.get_future().wait_for(1s), std::future_status::ready);
+}
+
+
+// Launch ahead: calls whose inputs are not ready go to the GPU behind a
+// parked wait while the lane holds one of the (here: 2) parking slots.
+class LaunchAheadTest : public ExecutorTest {
+ protected:
+  void SetUp() override {
+    runner_.device = &device_;
+    Recreate(Options(2, 10s));
+  }
+  static ExecutorOptions Options(int slots, std::chrono::milliseconds deadline) {
+    ExecutorOptions o;
+    o.parking_slots = slots;
+    o.park_deadline = deadline;
+    return o;
+  }
+  size_t WaitsOn(void* stream) {
+    std::lock_guard<std::mutex> lock(device_.mu);
+    size_t n = 0;
+    for (auto& [st, v] : device_.waits) n += st == stream ? 1 : 0;
+    return n;
+  }
+};
+
+TEST_F(LaunchAheadTest, LaunchesBeforeTheInputsAndRunsWhenTheyArrive) {
+  auto s = NewSession(1);
+  Results r;
+  for (int i = 1; i <= 3; ++i) executor_->Submit(s, Req(0, i), r.Slot(i));
+  ASSERT_TRUE(r.Wait(3));
+  // Enqueued on the GPU (nothing left on the host), held by the wait.
+  ASSERT_TRUE(WaitUntil([&] { return executor_->pending() == 0; }));
+  EXPECT_EQ(executor_->parked(), 1u);
+  EXPECT_EQ(WaitsOn(s->lane(0).stream), 3u);
+  EXPECT_TRUE(runner_.ran_copy().empty());
+  EXPECT_EQ(s->memory().Done(0), 0u);
+  SetInputsReady(*s, 0, 2);
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 2; }));
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(s->memory().Done(0), 2u);  // call 3 still waits for its inputs
+  SetInputsReady(*s, 0, 3);
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 3; }));
+  auto ran = runner_.ran_copy();
+  ASSERT_EQ(ran.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(ran[i].seq, uint64_t(i + 1));
+  EXPECT_TRUE(WaitUntil([&] { return executor_->parked() == 0; }));  // the slot is free again
+
+  // Inputs the host already sees ready: no wait at all.
+  auto ready = NewSession(1);
+  SetInputsReady(*ready, 0, 1);
+  executor_->Submit(ready, Req(0, 1), r.Slot(10));
+  ASSERT_TRUE(WaitUntil([&] { return ready->memory().Done(0) == 1; }));
+  EXPECT_EQ(WaitsOn(ready->lane(0).stream), 0u);
+}
+
+TEST_F(LaunchAheadTest, StalledLanesBeyondTheSlotsBlockNobody) {
+  // One client that never signals, on more lanes than there are slots...
+  auto stalled = NewSession(4);
+  Results r;
+  for (uint32_t l = 0; l < 4; ++l) executor_->Submit(stalled, Req(l, 1), r.Slot(int(l)));
+  ASSERT_TRUE(r.Wait(4));
+  ASSERT_TRUE(WaitUntil([&] { return executor_->parked() == 2; }));
+  // ...while 40 lanes of 8 sessions run, half signalling after they submit.
+  std::vector<std::shared_ptr<Session>> busy;
+  for (int i = 0; i < 8; ++i) busy.push_back(NewSession(5));
+  int slot = 100;
+  for (int i = 0; i < 8; ++i) {
+    for (uint32_t l = 0; l < 5; ++l) {
+      const bool early = (i + l) % 2 == 0;
+      if (early) SetInputsReady(*busy[i], l, 3);
+      for (int n = 1; n <= 3; ++n) executor_->Submit(busy[i], Req(l, n), r.Slot(slot++));
+      if (!early) SetInputsReady(*busy[i], l, 3);
+    }
+  }
+  ASSERT_TRUE(r.Wait(4 + 120));
+  ASSERT_TRUE(WaitUntil([&] {
+    for (auto& b : busy) {
+      for (uint32_t l = 0; l < 5; ++l) {
+        if (b->memory().Done(l) != 3) return false;
+      }
+    }
+    return true;
+  }));
+  for (uint32_t l = 0; l < 4; ++l) EXPECT_EQ(stalled->memory().Done(l), 0u) << l;
+  EXPECT_EQ(executor_->parked(), 2u);          // never more than the slots
+  EXPECT_EQ(device_.blocked_streams(), 2u);    // only the stalled client's parked lanes
+  EXPECT_EQ(executor_->pending(), 2u);         // its other two lanes wait on the host
+  EXPECT_TRUE(ExecutorTest::stalled().empty());  // within the deadline: nobody released
+}
+
+TEST_F(LaunchAheadTest, AStalledLaneLosesItsSlotPastTheDeadlineWhenAnotherNeedsIt) {
+  Recreate(Options(1, 50ms));
+  auto a = NewSession(1);
+  auto b = NewSession(1);
+  Results r;
+  executor_->Submit(a, Req(0, 1), r.Slot(1));  // parked, never signalled
+  ASSERT_TRUE(WaitUntil([&] { return executor_->parked() == 1 && executor_->pending() == 0; }));
+  executor_->Submit(b, Req(0, 1), r.Slot(2));  // needs the slot
+  ASSERT_TRUE(WaitUntil([&] { return !stalled().empty(); }));
+  auto st = stalled();
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].first, a->id());
+  EXPECT_EQ(st[0].second.reason(), Reason::kInputsStalled);
+  EXPECT_NE(st[0].second.message().find("inputs_ready stayed at 0 below parked call 1"), std::string::npos)
+      << st[0].second.message();
+  // The released wait let a's call through (a's own memory only)...
+  EXPECT_EQ(a->memory().InputsReady(0), 1u);
+  ASSERT_TRUE(WaitUntil([&] { return a->memory().Done(0) == 1; }));
+  // ...and b parked in its place and runs once it signals.
+  ASSERT_TRUE(WaitUntil([&] { return executor_->pending() == 0; }));
+  EXPECT_EQ(b->memory().Done(0), 0u);
+  SetInputsReady(*b, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return b->memory().Done(0) == 1; }));
+}
+
+TEST_F(LaunchAheadTest, AnEndedSessionsParkedWaitsAreReleased) {
+  auto dead = NewSession(2);
+  auto other = NewSession(1);
+  Results r;
+  executor_->Submit(dead, Req(0, 1), r.Slot(1));
+  executor_->Submit(dead, Req(0, 2), r.Slot(2));
+  executor_->Submit(dead, Req(1, 1), r.Slot(3));
+  ASSERT_TRUE(WaitUntil([&] { return executor_->parked() == 2 && executor_->pending() == 0; }));
+  executor_->Submit(other, Req(0, 1), r.Slot(4));  // no slot left: waits on the host
+  ASSERT_TRUE(r.Wait(4));
+  // The client dies (SIGKILL): the daemon drops its session.
+  dead->set_state(SessionState::kClosed);
+  std::promise<void> then;
+  executor_->DropSession(dead, Status::Cancelled("client died"), [&] { then.set_value(); });
+  ASSERT_EQ(then.get_future().wait_for(2s), std::future_status::ready);
+  // Its two slots are free: `other` takes one and goes to the GPU.
+  ASSERT_TRUE(WaitUntil([&] { return WaitsOn(other->lane(0).stream) == 1; }));
+  EXPECT_EQ(executor_->parked(), 1u);
+  EXPECT_EQ(dead->memory().InputsReady(0), 2u);
+  EXPECT_EQ(dead->memory().InputsReady(1), 1u);
+  ASSERT_TRUE(WaitUntil([&] { return dead->Drained(); }));  // the lanes drain: its regions can go
+  EXPECT_EQ(dead->memory().Done(0), 2u);
+  EXPECT_EQ(dead->memory().Done(1), 1u);
+  EXPECT_EQ(other->memory().Done(0), 0u);
+  SetInputsReady(*other, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return other->memory().Done(0) == 1; }));
+}
+
+TEST_F(LaunchAheadTest, StopReleasesEveryParkedWait) {
+  auto s = NewSession(1);
+  Results r;
+  executor_->Submit(s, Req(0, 1), r.Slot(1));
+  ASSERT_TRUE(WaitUntil([&] { return executor_->parked() == 1 && executor_->pending() == 0; }));
+  executor_->Stop();
+  EXPECT_EQ(s->memory().InputsReady(0), 1u);
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 1; }));
 }
 
 }  // namespace

@@ -290,7 +290,8 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
   ASSERT_EQ(b1.wait_for(5s), std::future_status::ready);
   EXPECT_TRUE(b1.get().ok());
   EXPECT_EQ(wait_done(b.lane(), 1), 1u);
-  // A's call is accepted (answered at validation) but does not run.
+  // A's call is accepted (answered at validation) and launched ahead behind
+  // a parked wait, so its "done" does not move.
   ASSERT_EQ(a1.wait_for(5s), std::future_status::ready);
   EXPECT_TRUE(a1.get().ok());
   std::this_thread::sleep_for(100ms);
@@ -303,16 +304,40 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
   EXPECT_TRUE(a2.get().ok());
   EXPECT_EQ(wait_done(a.lane(), 2), 2u);
 
-  // A dies: its session ends, and its mapping goes once its lane drained.
+  // A's third call goes to the GPU behind a parked wait on inputs that
+  // never come; then A dies. Its session ends, the daemon releases the wait,
+  // and its mapping goes once its lane drained.
+  auto a3 = call(a, 3, region.region_id);
+  ASSERT_EQ(a3.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(a3.get().ok());
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(std::atomic_ref<uint64_t>(a.lane()->done).load(), 2u);
+  const auto died = std::chrono::steady_clock::now();
   close(a.fd);
   auto deadline = std::chrono::steady_clock::now() + 5s;
-  while (opener.open_mappings() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  while (opener.open_mappings() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(opener.open_mappings(), 0u);
+  std::printf("[ measured ] parked wait of a dead client released and its region unmapped %.1f ms after its "
+              "channel closed\n",
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - died).count());
+  EXPECT_EQ(std::atomic_ref<uint64_t>(a.lane()->inputs_ready).load(), 3u);
+  EXPECT_EQ(std::atomic_ref<uint64_t>(a.lane()->done).load(), 3u);
+  // B is unaffected.
+  std::atomic_ref<uint64_t>(b.lane()->inputs_ready).store(2);
+  auto b2 = call(b, 2, 0);
+  ASSERT_EQ(b2.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(b2.get().ok());
+  EXPECT_EQ(wait_done(b.lane(), 2), 2u);
+  // The executor counts a call after it enqueued its "done" write, which
+  // the GPU may carry out first: poll for the count.
   StatsSnapshot stats;
-  ASSERT_TRUE(d.GetStats(0, "", &stats).ok());
+  deadline = std::chrono::steady_clock::now() + 5s;
+  do {
+    ASSERT_TRUE(d.GetStats(0, "", &stats).ok());
+  } while (stats.calls < 5 && std::chrono::steady_clock::now() < deadline);
   EXPECT_EQ(stats.sessions, 1u);
   EXPECT_EQ(stats.sessions_closed, 1u);
-  EXPECT_EQ(stats.calls, 3u);
+  EXPECT_EQ(stats.calls, 5u);
 
   d.RequestShutdown(0, "test");
   d.Drain();

@@ -1,0 +1,357 @@
+// File: bench/probes/stream_queues.cu
+//
+// Two hardware facts the executor's launch-ahead design rests on (issue 14,
+// docs/DESIGN.md sections 1 and 7), measured on the GPU at hand:
+//
+//   isolation C S K  With CUDA_DEVICE_MAX_CONNECTIONS = C (set before the
+//              context exists) and S streams created in order, waits that
+//              never complete are parked on streams 0..K-1; one tiny kernel
+//              is launched on every other stream; after 50 ms the streams
+//              still busy are the ones the parked waits hold up. Prints them,
+//              then releases the waits with a host store (as the daemon
+//              releases a dead client's) and says whether the GPU saw it.
+//
+//   timeline [N]  GPU time per call of a client/daemon hand-off between two
+//              processes (fork; each makes its own context), N calls enqueued
+//              ahead behind a gate kernel so no host latency is counted, a
+//              7 MB device copy as the daemon's kernel:
+//                local       the copy back to back on one stream (no hand-off)
+//                sem         client writes in=n; daemon waits in>=n, copies,
+//                            writes done=n; client waits done>=n (pinned
+//                            shared memory, as the daemon's lanes)
+//                sem_dev     the same on semaphores in daemon device memory
+//                            (cudaIpcGetMemHandle)
+//                sem_nowait  as sem, but the client waits only for the last
+//                ev_sem      client records an interprocess event; daemon
+//                            waits on it, copies, writes done=n; client waits
+//                ev_ev       as ev_sem, the daemon records an event too
+//                sem_ev      semaphore in, event out
+//              Run it under MPS (nvidia-cuda-mps-control -d with private
+//              CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY) to see the
+//              hand-off without context switches.
+//
+// Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
+// with lazy loading the first launch after a parked wait hangs, which is the
+// third fact (PROBE_LAZY=1 stream_queues isolation 8 9 1 never returns).
+//
+// Build: nvcc -O2 -arch=sm_90a -o stream_queues stream_queues.cu -lcuda
+// Run:   stream_queues isolation C S K   |   stream_queues timeline [N]
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+#define CU(x)                                                                          \
+  do {                                                                                 \
+    CUresult r_ = (x);                                                                 \
+    if (r_ != CUDA_SUCCESS) {                                                          \
+      const char* n_ = nullptr;                                                        \
+      cuGetErrorName(r_, &n_);                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, n_ ? n_ : "?");  \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+__global__ void Touch(int* p) { atomicAdd(p, 1); }
+
+// Spins until the host sets *flag (mapped host memory, volatile loads): a
+// gate that does not depend on the GPU seeing a host write to a semaphore.
+__global__ void Gate(const volatile uint64_t* flag, uint64_t value) {
+  while (*flag < value) __nanosleep(100);
+}
+
+__global__ void Copy(const int4* __restrict__ src, int4* __restrict__ dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    dst[i] = src[i];
+  }
+}
+
+static CUdeviceptr MapHost(void* p, size_t bytes) {
+  CU(cuMemHostRegister(p, bytes, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE));
+  CUdeviceptr d = 0;
+  CU(cuMemHostGetDevicePointer(&d, p, 0));
+  return d;
+}
+
+static int Isolation(int connections, int streams, int parked) {
+  // parked = k parks waits on streams 0..k-1 (k >= 1).
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(connections).c_str(), 1);
+  CK(cudaSetDevice(0));
+  CK(cudaFree(nullptr));
+  std::vector<cudaStream_t> s(streams);
+  for (auto& x : s) CK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  void* page = nullptr;
+  if (posix_memalign(&page, 4096, 4096) != 0) return 1;
+  std::memset(page, 0, 4096);
+  CUdeviceptr sem = MapHost(page, 4096);
+  int* counter = nullptr;
+  CK(cudaMalloc(&counter, sizeof(int)));
+  std::fprintf(stderr, "isolation: parking\n");
+  for (int i = 0; i < parked; ++i) {
+    CU(cuStreamWaitValue64(reinterpret_cast<CUstream>(s[i]), sem, 1, CU_STREAM_WAIT_VALUE_GEQ));
+  }
+  std::fprintf(stderr, "isolation: parked, launching\n");
+  for (int i = parked; i < streams; ++i) Touch<<<1, 1, 0, s[i]>>>(counter);
+  CK(cudaGetLastError());
+  std::fprintf(stderr, "isolation: launched\n");
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::string blocked;
+  int n_blocked = 0;
+  for (int i = parked; i < streams; ++i) {
+    if (cudaStreamQuery(s[i]) == cudaErrorNotReady) {
+      blocked += " " + std::to_string(i);
+      ++n_blocked;
+    }
+  }
+  std::printf("isolation connections=%d streams=%d parked=%d blocked=%d [%s ]\n", connections, streams, parked,
+              n_blocked, blocked.c_str());
+  std::fflush(stdout);
+  // Release: first a host store (what a daemon releasing a dead client's
+  // wait would do), then, if the GPU does not see it, a stream write.
+  reinterpret_cast<std::atomic<uint64_t>*>(page)->store(1);
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  bool released = false;
+  while (!(released = cudaStreamQuery(s[parked - 1]) == cudaSuccess) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::printf("isolation release_by_host_store=%s\n", released ? "yes" : "no");
+  std::fflush(stdout);
+  if (!released) {
+    cudaStream_t extra;
+    CK(cudaStreamCreateWithFlags(&extra, cudaStreamNonBlocking));
+    CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(extra), sem, 2, 0));
+    until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (!(released = cudaStreamQuery(s[parked - 1]) == cudaSuccess) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::printf("isolation release_by_stream_write=%s\n", released ? "yes" : "no");
+    std::fflush(stdout);
+    if (!released) _exit(3);
+  }
+  CK(cudaDeviceSynchronize());
+  return 0;
+}
+
+// Host-side hand-off between the two processes (shared anonymous memory).
+struct Shared {
+  std::atomic<uint64_t> posted;     // client: call n's "inputs" step is enqueued
+  std::atomic<uint64_t> launched;   // daemon: call n's kernel and "done" step are enqueued
+  std::atomic<uint64_t> mode;       // which protocol (set before a round)
+  std::atomic<uint64_t> round;      // round number (client bumps, daemon follows)
+  std::atomic<uint64_t> round_done; // daemon finished enqueueing the round
+  cudaIpcEventHandle_t in_ev[256];  // client -> daemon
+  cudaIpcEventHandle_t done_ev[256];  // daemon -> client
+  cudaIpcMemHandle_t dev_sem;         // daemon -> client: semaphores in device memory
+  std::atomic<uint64_t> handles_ready;
+  alignas(4096) uint64_t sem[512];  // [0] in, [64] done, [128] gate (own page, registered by both)
+};
+
+enum Mode : uint64_t { kSem = 1, kEvSem = 2, kEvEv = 3, kSemEv = 4, kSemDev = 5, kSemNoWait = 6 };
+static bool DaemonWaitsSem(uint64_t m) { return m == kSem || m == kSemEv || m == kSemDev || m == kSemNoWait; }
+static bool DaemonWritesSem(uint64_t m) { return m == kSem || m == kEvSem || m == kSemDev || m == kSemNoWait; }
+static const char* ModeName(uint64_t m) {
+  switch (m) {
+    case kSem: return "sem";
+    case kEvSem: return "ev_sem";
+    case kEvEv: return "ev_ev";
+    case kSemEv: return "sem_ev";
+    case kSemDev: return "sem_dev";
+    case kSemNoWait: return "sem_nowait";
+  }
+  return "?";
+}
+
+static void Spin(const std::atomic<uint64_t>& a, uint64_t v) {
+  while (a.load(std::memory_order_acquire) < v) {
+  }
+}
+
+constexpr size_t kCopyBytes = 7u << 20;
+
+static int Daemon(Shared* sh, int calls) {
+  CK(cudaSetDevice(0));
+  CK(cudaFree(nullptr));
+  CUdeviceptr sem = MapHost(sh->sem, sizeof(sh->sem));
+  CUdeviceptr in = sem, done = sem + 64 * 8;
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  int4 *a, *b;
+  CK(cudaMalloc(&a, kCopyBytes));
+  CK(cudaMalloc(&b, kCopyBytes));
+  std::vector<cudaEvent_t> done_ev(calls), in_ev(calls);
+  for (int i = 0; i < calls; ++i) {
+    CK(cudaEventCreateWithFlags(&done_ev[i], cudaEventDisableTiming | cudaEventInterprocess));
+    CK(cudaIpcGetEventHandle(&sh->done_ev[i], done_ev[i]));
+  }
+  void* dev_sem = nullptr;
+  CK(cudaMalloc(&dev_sem, 1 << 21));
+  CK(cudaMemset(dev_sem, 0, 1 << 21));
+  CK(cudaDeviceSynchronize());
+  CK(cudaIpcGetMemHandle(&sh->dev_sem, dev_sem));
+  const CUdeviceptr dev_in = reinterpret_cast<CUdeviceptr>(dev_sem), dev_done = dev_in + 512;
+  sh->handles_ready.store(1, std::memory_order_release);
+  Spin(sh->handles_ready, 2);
+  for (int i = 0; i < calls; ++i) CK(cudaIpcOpenEventHandle(&in_ev[i], sh->in_ev[i]));
+  const size_t n = kCopyBytes / sizeof(int4);
+  for (uint64_t r = 1;; ++r) {
+    Spin(sh->round, r);
+    const uint64_t mode = sh->mode.load();
+    if (mode == 0) break;
+    const uint64_t base = (r - 1) * calls;
+    for (int i = 0; i < calls; ++i) {
+      const uint64_t seq = base + i + 1;
+      Spin(sh->posted, seq);
+      if (DaemonWaitsSem(mode)) {
+        CU(cuStreamWaitValue64(reinterpret_cast<CUstream>(st), mode == kSemDev ? dev_in : in, seq,
+                               CU_STREAM_WAIT_VALUE_GEQ));
+      } else {
+        CK(cudaStreamWaitEvent(st, in_ev[i], 0));
+      }
+      Copy<<<264, 512, 0, st>>>(a, b, n);
+      if (DaemonWritesSem(mode)) {
+        CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(st), mode == kSemDev ? dev_done : done, seq, 0));
+      } else {
+        CK(cudaEventRecord(done_ev[i], st));
+      }
+      sh->launched.store(seq, std::memory_order_release);
+    }
+    sh->round_done.store(r, std::memory_order_release);
+  }
+  CK(cudaStreamSynchronize(st));
+  return 0;
+}
+
+static int Client(Shared* sh, int calls) {
+  CK(cudaSetDevice(0));
+  CK(cudaFree(nullptr));
+  CUdeviceptr sem = MapHost(sh->sem, sizeof(sh->sem));
+  CUdeviceptr in = sem, done = sem + 64 * 8, gate = sem + 128 * 8;
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  std::vector<cudaEvent_t> in_ev(calls), done_ev(calls);
+  for (int i = 0; i < calls; ++i) {
+    CK(cudaEventCreateWithFlags(&in_ev[i], cudaEventDisableTiming | cudaEventInterprocess));
+    CK(cudaIpcGetEventHandle(&sh->in_ev[i], in_ev[i]));
+  }
+  Spin(sh->handles_ready, 1);
+  for (int i = 0; i < calls; ++i) CK(cudaIpcOpenEventHandle(&done_ev[i], sh->done_ev[i]));
+  void* dev_sem = nullptr;
+  CK(cudaIpcOpenMemHandle(&dev_sem, sh->dev_sem, cudaIpcMemLazyEnablePeerAccess));
+  const CUdeviceptr dev_in = reinterpret_cast<CUdeviceptr>(dev_sem), dev_done = dev_in + 512;
+  sh->handles_ready.store(2, std::memory_order_release);
+  cudaEvent_t t0, t1;
+  CK(cudaEventCreate(&t0));
+  CK(cudaEventCreate(&t1));
+
+  // Local baseline: the copy back to back on one stream, behind the gate.
+  int4 *a, *b;
+  CK(cudaMalloc(&a, kCopyBytes));
+  CK(cudaMalloc(&b, kCopyBytes));
+  const size_t n = kCopyBytes / sizeof(int4);
+  uint64_t gate_value = 0;
+  auto* gate_word = reinterpret_cast<std::atomic<uint64_t>*>(&sh->sem[128]);
+  for (int rep = 0; rep < 3; ++rep) {
+    ++gate_value;
+    Gate<<<1, 1, 0, st>>>(reinterpret_cast<const volatile uint64_t*>(gate), gate_value);
+    CK(cudaEventRecord(t0, st));
+    for (int i = 0; i < calls; ++i) Copy<<<264, 512, 0, st>>>(a, b, n);
+    CK(cudaEventRecord(t1, st));
+    gate_word->store(gate_value, std::memory_order_release);
+    CK(cudaStreamSynchronize(st));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, t0, t1));
+    std::printf("timeline mode=local rep=%d us_per_call=%.2f\n", rep, 1000.0 * ms / calls);
+    std::fflush(stdout);
+  }
+
+  uint64_t round = 0;
+  for (uint64_t mode : {kSem, kSemDev, kSemNoWait, kEvSem, kEvEv, kSemEv}) {
+    for (int rep = 0; rep < 3; ++rep) {
+      ++round;
+      ++gate_value;
+      sh->mode.store(mode);
+      sh->round.store(round, std::memory_order_release);
+      Gate<<<1, 1, 0, st>>>(reinterpret_cast<const volatile uint64_t*>(gate), gate_value);
+      CK(cudaEventRecord(t0, st));
+      const uint64_t base = (round - 1) * calls;
+      for (int i = 0; i < calls; ++i) {
+        const uint64_t seq = base + i + 1;
+        if (DaemonWaitsSem(mode)) {
+          CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(st), mode == kSemDev ? dev_in : in, seq, 0));
+        } else {
+          CK(cudaEventRecord(in_ev[i], st));
+        }
+        sh->posted.store(seq, std::memory_order_release);
+        if (mode == kSemNoWait) {
+          if (i + 1 == calls) {
+            CU(cuStreamWaitValue64(reinterpret_cast<CUstream>(st), done, seq, CU_STREAM_WAIT_VALUE_GEQ));
+          }
+        } else if (DaemonWritesSem(mode)) {
+          CU(cuStreamWaitValue64(reinterpret_cast<CUstream>(st), mode == kSemDev ? dev_done : done, seq,
+                                 CU_STREAM_WAIT_VALUE_GEQ));
+        } else {
+          Spin(sh->launched, seq);  // the daemon's record exists: the wait binds to it
+          CK(cudaStreamWaitEvent(st, done_ev[i], 0));
+        }
+      }
+      CK(cudaEventRecord(t1, st));
+      Spin(sh->round_done, round);
+      gate_word->store(gate_value, std::memory_order_release);
+      CK(cudaStreamSynchronize(st));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, t0, t1));
+      std::printf("timeline mode=%s rep=%d us_per_call=%.2f\n", ModeName(mode), rep, 1000.0 * ms / calls);
+      std::fflush(stdout);
+    }
+  }
+  sh->mode.store(0);
+  sh->round.store(round + 1, std::memory_order_release);
+  return 0;
+}
+
+static int Timeline(int calls) {
+  if (calls > 256) calls = 256;
+  void* mem = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return 1;
+  auto* sh = new (mem) Shared();
+  pid_t pid = fork();
+  if (pid == 0) _exit(Daemon(sh, calls));
+  int rc = Client(sh, calls);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return rc != 0 ? rc : (WIFEXITED(status) ? WEXITSTATUS(status) : 1);
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  // Lazy module loading would load a kernel at its first launch, which can
+  // wait behind a parked stream wait; the probe (like the daemon) loads
+  // everything up front unless told otherwise (PROBE_LAZY=1).
+  if (!getenv("PROBE_LAZY")) setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+  if (argc >= 5 && std::strcmp(argv[1], "isolation") == 0) {
+    return Isolation(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
+  }
+  if (argc >= 2 && std::strcmp(argv[1], "timeline") == 0) return Timeline(argc >= 3 ? std::atoi(argv[2]) : 128);
+  std::fprintf(stderr, "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS]\n", argv[0]);
+  return 2;
+}
