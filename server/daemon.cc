@@ -273,41 +273,38 @@ void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
   sink.submit_rejected = [this, id, token](uint32_t lane, uint64_t seq, Status reason, Executor::Completion done) {
     CallRejected(id, token, lane, seq, std::move(reason), std::move(done));
   };
-  // Ending the session joins its consumer, so never on the consumer itself.
+  // Seen on the executor's thread, which ending the session waits for: post.
   sink.on_violation = [this, id](const Status& why) {
     if (!reaper_->Post([this, id, why] { sessions_->End(id, why); })) {
       spdlog::warn("session {}: shutting down; the ring violation ends it with every other", id);
     }
   };
-  RingConsumerOptions ro;
-  ro.spin = std::chrono::microseconds(options_.spin_us);
+  RingConsumerOptions ro;  // its spin and sleep are the executor's: it polls the ring
   std::lock_guard<std::mutex> lock(rings_mu_);
   // A racing End has set kClosed before its OnSessionEnd takes rings_mu_: if
   // we see kBound here, that OnSessionEnd will find and stop this consumer.
   if (rings_stopped_ || session->state() != SessionState::kBound) return;
-  auto consumer = std::make_unique<RingConsumer>(session, &catalog_, std::move(sink), std::move(ro));
-  consumer->Start();
+  auto consumer = std::make_shared<RingConsumer>(session, &catalog_, std::move(sink), std::move(ro));
+  executor_->AddRing(consumer);  // polled by the executor's thread, like every ring
   rings_[id] = std::move(consumer);
-  spdlog::info("session {}: call ring of {} slots served (spin {} us)", id, session->memory().ring_capacity(),
-               options_.spin_us);
+  spdlog::info("session {}: call ring of {} slots served", id, session->memory().ring_capacity());
 }
 
 void Daemon::StopRings() {
-  std::map<uint64_t, std::unique_ptr<RingConsumer>> rings;
+  std::map<uint64_t, std::shared_ptr<RingConsumer>> rings;
   {
     std::lock_guard<std::mutex> lock(rings_mu_);
     rings_stopped_ = true;
     rings.swap(rings_);
   }
   for (auto& [id, consumer] : rings) consumer->RequestStop();
-  for (auto& [id, consumer] : rings) consumer->Stop();
 }
 
 void Daemon::OnSessionEnd(const std::shared_ptr<Session>& session, const Status& reason) {
   stats_.sessions_closed.fetch_add(1, std::memory_order_relaxed);
   // The ring first: it takes no record from now on (any it already handed
   // over is answered FAILED_PRECONDITION, or dropped below with the rest).
-  std::unique_ptr<RingConsumer> ring;
+  std::shared_ptr<RingConsumer> ring;
   {
     std::lock_guard<std::mutex> lock(rings_mu_);
     if (auto it = rings_.find(session->id()); it != rings_.end()) {
@@ -315,7 +312,9 @@ void Daemon::OnSessionEnd(const std::shared_ptr<Session>& session, const Status&
       rings_.erase(it);
     }
   }
-  if (ring) ring->Stop();
+  // The executor's thread lets it go; a record it is copying meanwhile is
+  // answered (the session is no longer bound) or dropped below.
+  if (ring) ring->RequestStop();
   channel_->CloseSession(session->id());
   {
     std::lock_guard<std::mutex> lock(mu_);

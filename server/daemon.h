@@ -6,11 +6,11 @@
 // shared-memory call ring calls Call() the same way, from its RingConsumer).
 //
 // Owns and wires: SessionManager (sessions, tokens, binding), SessionChannel
-// (the SOCK_SEQPACKET socket and its thread), Executor (CUDA launches, lane
-// ordering), Reaper (region open/close, session teardown), one RingConsumer
-// per bound session with a ring (started at bind, stopped when the session
-// ends; a ring protocol violation ends that session on the reaper thread)
-// and the stats.
+// (the SOCK_SEQPACKET socket and its thread), Executor (its one thread polls
+// every call ring and makes every CUDA launch; lane ordering), Reaper (region
+// open/close, session teardown), one RingConsumer per bound session with a
+// ring (handed to the executor at bind, stopped when the session ends; a ring
+// protocol violation ends that session on the reaper thread) and the stats.
 //
 // Without a GPU (DaemonDeps null) the daemon still runs: Version() answers,
 // serving() is false with the probe's reason, and OpenSession fails
@@ -213,7 +213,7 @@ class Daemon {
   // Lock order: never held while taking mu_ or calling into the consumers'
   // sinks; a consumer is stopped (joined) outside it.
   std::mutex rings_mu_;
-  std::map<uint64_t, std::unique_ptr<RingConsumer>> rings_;  // guarded by rings_mu_
+  std::map<uint64_t, std::shared_ptr<RingConsumer>> rings_;  // guarded by rings_mu_
   bool rings_stopped_ = false;                               // guarded by rings_mu_
 };
 

@@ -38,7 +38,7 @@ struct Options {
   std::vector<std::string> load_libraries;  // --load-library (repeatable): extra op libraries
   bool ring = true;                      // --ring / --no-ring: offer the shared-memory call ring
   uint32_t ring_capacity = v1::kDefaultRingCapacity;  // --ring-capacity: slots per ring, power of two 8..1024
-  uint32_t spin_us = 200;                // --spin-us: busy-poll window after the last call (rings, executor)
+  uint32_t spin_us = 200;                // --spin-us: busy-poll window after the last call (the executor)
   uint32_t parking_slots = 8;            // --parking-slots: lanes with a GPU wait parked at once (0: host checks)
   uint32_t park_deadline_ms = 2000;      // --park-deadline-ms: a parked lane this still loses its slot
 };

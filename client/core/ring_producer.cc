@@ -1,15 +1,12 @@
 #include "client/core/ring_producer.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <iterator>
 #include <thread>
 
 #include "common/cpu_relax.h"
+#include "common/futex.h"
 
 namespace cache_dit_opd::client {
 
@@ -156,7 +153,7 @@ Status RingProducer::Publish(uint32_t lane, uint64_t seq, uint32_t op_index, con
   if (bell.load(std::memory_order_relaxed) == v1::kDoorbellSleeping) {
     bell.store(v1::kDoorbellAwake, std::memory_order_relaxed);
     wakes_.fetch_add(1, std::memory_order_relaxed);
-    syscall(SYS_futex, &control()->doorbell, FUTEX_WAKE, 1, nullptr, nullptr, 0);
+    FutexWake(&control()->doorbell);  // shared: the daemon sleeps on it in its own process
   }
   return Status::Ok();
 }
@@ -194,7 +191,11 @@ void RingProducer::ReadLocked(Entry& e) {
     r.reason = reason;
     r.message = std::move(message);
     r.regions.assign(e.regions, e.regions + e.nregions);
-    rejected_.push_back(std::move(r));
+    // Harvests read whatever arrived, so a later ticket can be read first:
+    // keep the list in ticket order ("oldest first").
+    auto at = std::upper_bound(rejected_.begin(), rejected_.end(), r.ticket,
+                               [](uint64_t t, const RejectedCall& x) { return t < x.ticket; });
+    rejected_.insert(at, std::move(r));
     rejected_count_.store(rejected_.size(), std::memory_order_relaxed);
   }
 }

@@ -99,7 +99,8 @@ class RingProducer {
   // Consumes the completions that have arrived; true when rejected
   // asynchronous calls wait for TakeRejected(). Cheap when nothing arrived.
   bool HasRejected();
-  // At most `max`, oldest first; the rest stay for the next call.
+  // At most `max`, oldest (lowest ticket) first; the rest stay for the next
+  // call.
   std::vector<RejectedCall> TakeRejected(size_t max = SIZE_MAX);
 
   // Waits until every record published so far has its completion consumed.

@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <thread>
 
 #include <sys/prctl.h>
 
 #include <spdlog/spdlog.h>
 
 #include "common/cpu_relax.h"
+#include "common/futex.h"
 #include "server/session/region_registry.h"
 
 
@@ -38,7 +41,7 @@ void Executor::Stop() {
     stop_ = true;
     news_.store(true, std::memory_order_release);
   }
-  cv_.notify_all();
+  Wake();
   if (thread_.joinable()) {
     thread_.join();
     return;
@@ -93,7 +96,7 @@ Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
     ++pending_;
     news_.store(true, std::memory_order_release);
   }
-  cv_.notify_one();
+  Wake();
   return Status::Ok();
 }
 
@@ -131,7 +134,7 @@ void Executor::DropSession(const std::shared_ptr<Session>& session, Status reaso
     commands_.push_back(Command{session, std::move(reason), std::move(then)});
     news_.store(true, std::memory_order_release);
   }
-  cv_.notify_one();
+  Wake();
   std::vector<Command> inline_commands;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -144,6 +147,67 @@ void Executor::DropSession(const std::shared_ptr<Session>& session, Status reaso
 }
 
 void Executor::DropAll(Status reason) { DropSession(nullptr, std::move(reason), nullptr); }
+
+void Executor::AddRing(std::shared_ptr<CallSource> source) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ring_intake_.push_back(std::move(source));
+    news_.store(true, std::memory_order_release);
+  }
+  Wake();
+}
+
+void Executor::Wake() {
+  wake_word_.fetch_add(1, std::memory_order_seq_cst);
+  // Dekker with Sleep(): it stores sleeping_ then loads news_; we stored
+  // news_ (or stop_) before this, then load sleeping_.
+  if (sleeping_.load(std::memory_order_seq_cst)) {
+    FutexWake(reinterpret_cast<uint32_t*>(&wake_word_), 1, /*shared=*/false);
+  }
+}
+
+size_t Executor::PollRings() {
+  size_t taken = 0;
+  for (auto it = rings_.begin(); it != rings_.end();) {
+    if ((*it)->finished()) {
+      it = rings_.erase(it);
+      continue;
+    }
+    taken += (*it)->Poll();
+    ++it;
+  }
+  return taken;
+}
+
+void Executor::Sleep(std::chrono::nanoseconds timeout) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
+  const uint32_t seen = wake_word_.load(std::memory_order_seq_cst);
+  sleeping_.store(true, std::memory_order_seq_cst);
+  std::vector<FutexWord> words;
+  words.reserve(rings_.size() + 1);
+  words.push_back(FutexWord{reinterpret_cast<uint32_t*>(&wake_word_), seen, /*shared=*/false});
+  size_t armed = 0;
+  bool work = news_.load(std::memory_order_seq_cst);
+  for (; !work && armed < rings_.size(); ++armed) {
+    CallSource& r = *rings_[armed];
+    if (!r.ArmSleep()) {
+      ++armed;  // armed, then found a record: disarmed below
+      work = true;
+      break;
+    }
+    words.push_back(FutexWord{r.doorbell(), r.sleeping_value(), /*shared=*/true});
+  }
+  if (!work) {
+    const long rc = FutexWaitAny(words, timeout);
+    if (rc < 0 && errno == EAGAIN && wake_word_.load(std::memory_order_acquire) == seen) {
+      // A doorbell was not "sleeping" although we armed it and nothing came:
+      // a client scribbles on it. Back off instead of spinning on the call.
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  for (size_t i = 0; i < armed; ++i) rings_[i]->Disarm();
+  sleeping_.store(false, std::memory_order_relaxed);
+}
 
 size_t Executor::pending() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -449,30 +513,25 @@ void Executor::Loop() {
   prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
   auto spin_until = Clock::now() + options_.spin;
   std::chrono::microseconds backoff{0};
-  bool waiting = false;  // queued calls exist but none could run
   while (true) {
-    // Spin without the lock while progress is recent and nothing is queued:
-    // the next call of a busy client lands here instead of waking a
-    // sleeping thread.
-    const bool idle = queues_.empty() && awaiting_.empty() && parked_.empty();
-    if (idle) {
-      while (!news_.load(std::memory_order_acquire) && Clock::now() < spin_until) CpuRelax();
-    }
+    // The rings first: what they decode is submitted to us (into intake_)
+    // on this thread, and taken just below.
+    bool progress = PollRings() > 0;
     std::vector<Item> intake;
     std::vector<Command> commands;
     bool stopping = false;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      auto has_news = [&] { return stop_ || !intake_.empty() || !commands_.empty(); };
-      if (idle) {
-        cv_.wait(lock, has_news);
-      } else if (waiting && Clock::now() >= spin_until) {
-        cv_.wait_for(lock, backoff, has_news);
+    if (news_.load(std::memory_order_acquire)) {
+      std::vector<std::shared_ptr<CallSource>> rings;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        intake.swap(intake_);
+        commands.swap(commands_);
+        rings.swap(ring_intake_);
+        stopping = stop_;
+        news_.store(false, std::memory_order_relaxed);
       }
-      intake.swap(intake_);
-      commands.swap(commands_);
-      stopping = stop_;
-      news_.store(false, std::memory_order_relaxed);
+      progress = progress || !intake.empty() || !commands.empty() || !rings.empty();
+      for (auto& r : rings) rings_.push_back(std::move(r));
     }
     for (Item& item : intake) {
       Lane* lane = &item.session->lane(item.req.lane);
@@ -492,6 +551,7 @@ void Executor::Loop() {
       const Status stopped = Status::Rejected(Reason::kDraining, "the daemon is shutting down");
       Drop(nullptr, stopped);
       DropAwaiting(nullptr, stopped);
+      rings_.clear();
       std::vector<Command> late;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -504,20 +564,27 @@ void Executor::Loop() {
       return;
     }
 
-    const bool ran = RunReady();
+    if (RunReady()) progress = true;
     if (!parked_.empty()) ReapParked();
-    if (Answer() || ran) {
-      waiting = false;
+    if (Answer()) progress = true;
+    if (progress) {
       backoff = std::chrono::microseconds{0};
       spin_until = Clock::now() + options_.spin;
-    } else if (!queues_.empty() || !awaiting_.empty() || !parked_.empty()) {
-      waiting = true;
-      if (Clock::now() < spin_until) {
-        CpuRelax();
-      } else {
-        backoff = std::min(options_.max_backoff,
-                           backoff.count() == 0 ? std::chrono::microseconds{10} : backoff * 2);
-      }
+      continue;
+    }
+    // Spin while progress is recent: the next call of a busy client lands
+    // here instead of waking a sleeping thread.
+    if (Clock::now() < spin_until) {
+      CpuRelax();
+      continue;
+    }
+    if (queues_.empty() && awaiting_.empty() && parked_.empty()) {
+      Sleep(options_.idle_sleep);
+      spin_until = Clock::now();  // after a wake, spin only once something came
+    } else {
+      // Calls wait for their inputs on the host, or for the GPU.
+      backoff = std::min(options_.max_backoff, backoff.count() == 0 ? std::chrono::microseconds{10} : backoff * 2);
+      Sleep(backoff);
     }
   }
 }

@@ -48,13 +48,21 @@
 // A failure after acceptance can only be a CUDA error: it is logged and
 // counted; a sticky one fails every session through the fatal hook.
 //
+// One thread for every session: besides launching, it polls every call
+// source added with AddRing (each bound session's shared-memory call ring,
+// server/ring/ring_consumer.h) and submits what it decodes to itself, so a
+// ring call reaches its launch without a thread hand-off, and the daemon's
+// CPU grows with its load, not with its sessions.
+//
 // Polling: the thread spins for `spin` after its last progress (a wake-up
 // of a sleeping thread costs tens of microseconds, more than a call). Then,
 // while some queued call waits for inputs_ready on the host or some lane
 // holds a parking slot, it sleeps with exponential backoff up to
 // `max_backoff` (timer slack 1 us, so a short sleep is short); with nothing
-// queued or parked it sleeps on a condition variable (no CPU burn when
-// idle). New submissions wake it at once.
+// queued or parked it sleeps up to `idle_sleep`. Either sleep is one
+// futex_waitv (common/futex.h) on a private word that submissions, commands
+// and Stop bump, and on every ring's doorbell (armed first, so a client that
+// publishes wakes it). Idle, the daemon burns no CPU.
 //
 // Lazy module loading (CUDA_MODULE_LOADING=LAZY, torch's default) loads a
 // kernel at its first launch, and that load waits behind a parked stream
@@ -68,7 +76,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -87,11 +94,30 @@
 
 namespace cache_dit_opd {
 
+// What the executor's thread polls besides its own queue: a session's call
+// ring (server/ring/ring_consumer.h is the implementation and its contract).
+class CallSource {
+ public:
+  virtual ~CallSource() = default;
+  // Takes what was published and submits it (on the polling thread);
+  // returns how many records it took.
+  virtual size_t Poll() = 0;
+  // About to sleep: true when the thread may sleep on doorbell() expecting
+  // `sleeping_value()`; false when there is work. Disarm() after waking.
+  virtual bool ArmSleep() = 0;
+  virtual void Disarm() = 0;
+  virtual uint32_t* doorbell() const = 0;
+  virtual uint32_t sleeping_value() const = 0;
+  // Nothing more will come from it: the executor lets it go.
+  virtual bool finished() const = 0;
+};
+
 struct ExecutorOptions {
   // Busy-poll window after progress, with or without queued calls: a call
   // that arrives within it is picked up without a thread wake-up.
   std::chrono::microseconds spin{50};
   std::chrono::microseconds max_backoff{1000};  // longest sleep while calls wait
+  std::chrono::milliseconds idle_sleep{100};     // longest idle sleep (bounds a missed wake-up)
   int max_calls_per_lane_turn = 16;             // fairness between lanes
   // Lanes that may have a GPU wait on their client's inputs_ready parked at
   // once (--parking-slots); 0: every call waits for its inputs on the host.
@@ -152,6 +178,13 @@ class Executor {
 
   // Drops every queued call of every session (drain deadline).
   void DropAll(Status reason);
+
+  // Executor::AddRing
+  //
+  // The executor's thread polls `source` from now on, until it is finished
+  // (RingConsumer::RequestStop) or the executor stops; it keeps `source`
+  // alive meanwhile.
+  void AddRing(std::shared_ptr<CallSource> source);
 
   // Calls queued and not yet completed.
   size_t pending() const;
@@ -215,6 +248,13 @@ class Executor {
   // calls with `reason`.
   void DropAwaiting(const std::shared_ptr<Session>& session, const Status& reason);
   void Fail(const Status& status);
+  // Polls every ring, letting finished ones go; returns records taken.
+  size_t PollRings();
+  // Bumps wake_word_ and wakes the thread if it sleeps.
+  void Wake();
+  // One futex_waitv on wake_word_ and the rings' doorbells, for at most
+  // `timeout`, unless news or a record is already there.
+  void Sleep(std::chrono::nanoseconds timeout);
   // Gives `q`'s lane a parking slot for a wait up to `seq` (it may hold one
   // already); false when none is free and none can be taken from a stalled
   // lane.
@@ -232,8 +272,8 @@ class Executor {
   const FatalHook on_fatal_;
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;
   std::vector<Item> intake_;        // guarded by mu_
+  std::vector<std::shared_ptr<CallSource>> ring_intake_;  // guarded by mu_
   std::vector<Command> commands_;   // guarded by mu_
   bool stop_ = false;               // guarded by mu_
   bool started_ = false;            // guarded by mu_
@@ -244,10 +284,14 @@ class Executor {
   // Set with intake_/commands_/stop_ (under mu_): lets the spinning thread
   // look for news without taking the lock.
   std::atomic<bool> news_{false};
+  // The thread's private futex word (bumped by Wake) and whether it sleeps.
+  std::atomic<uint32_t> wake_word_{0};
+  std::atomic<bool> sleeping_{false};
 
   std::map<Lane*, LaneQueue> queues_;  // executor thread only
   std::vector<Awaiting> awaiting_;     // executor thread only
   std::map<Lane*, Parked> parked_;     // executor thread only
+  std::vector<std::shared_ptr<CallSource>> rings_;  // executor thread only
   std::atomic<size_t> parked_count_{0};
   std::thread thread_;
 };

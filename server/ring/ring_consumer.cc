@@ -1,10 +1,5 @@
 #include "server/ring/ring_consumer.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -14,6 +9,7 @@
 
 #include "cache_dit_opd/v1/ring.h"
 #include "common/cpu_relax.h"
+#include "common/futex.h"
 #include "common/ring_decode.h"
 
 
@@ -21,15 +17,6 @@ namespace cache_dit_opd {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Shared futex (no FUTEX_PRIVATE_FLAG): the word is in a MAP_SHARED mapping
-// and the client's FUTEX_WAKE comes from another process.
-long FutexWait(uint32_t* word, uint32_t expected, std::chrono::nanoseconds timeout) {
-  timespec ts{static_cast<time_t>(timeout.count() / 1000000000), static_cast<long>(timeout.count() % 1000000000)};
-  return syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void FutexWake(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, 1, nullptr, nullptr, 0); }
 
 // Length of at most `max` bytes of `s` that does not split a UTF-8 sequence
 // (the client decodes the message as text).
@@ -79,7 +66,7 @@ void RingConsumer::RequestStop() {
   // Changing the word first makes a FUTEX_WAIT that has not started yet
   // return at once (EAGAIN); the wake releases one that has.
   std::atomic_ref<uint32_t>(ctl->doorbell).store(v1::kDoorbellAwake, std::memory_order_seq_cst);
-  FutexWake(&ctl->doorbell);
+  FutexWake(&ctl->doorbell, /*count=*/2);  // its own thread, or the executor polling it
 }
 
 void RingConsumer::Stop() {
@@ -93,26 +80,40 @@ void RingConsumer::Stop() {
   thread_.join();
 }
 
-void RingConsumer::Sleep(uint64_t head) {
+bool RingConsumer::ArmSleep() {
   v1::RingControl* ctl = session_->memory().ring_control();
-  std::atomic_ref<uint32_t> bell(ctl->doorbell);
   // Dekker with the client (store tail, then load doorbell): our store of
   // "sleeping" and re-load of the tail are both seq_cst, so either we see its
   // record or it sees us sleeping and wakes us.
-  bell.store(v1::kDoorbellSleeping, std::memory_order_seq_cst);
-  if (std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_seq_cst) == head &&
-      !stop_.load(std::memory_order_seq_cst)) {
+  std::atomic_ref<uint32_t>(ctl->doorbell).store(v1::kDoorbellSleeping, std::memory_order_seq_cst);
+  return std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_seq_cst) == head_ &&
+         !stop_.load(std::memory_order_seq_cst);
+}
+
+void RingConsumer::Disarm() {
+  std::atomic_ref<uint32_t>(session_->memory().ring_control()->doorbell)
+      .store(v1::kDoorbellAwake, std::memory_order_release);
+}
+
+uint32_t* RingConsumer::doorbell() const { return &session_->memory().ring_control()->doorbell; }
+
+void RingConsumer::Sleep() {
+  if (ArmSleep()) {
     sleeps_.fetch_add(1, std::memory_order_relaxed);
-    const long rc = FutexWait(&ctl->doorbell, v1::kDoorbellSleeping, options_.sleep_timeout);
-    if (rc != 0 && errno == EAGAIN &&
-        std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_acquire) == head &&
-        !stop_.load(std::memory_order_acquire)) {
+    const long rc = FutexWait(doorbell(), v1::kDoorbellSleeping, options_.sleep_timeout);
+    if (rc != 0 && errno == EAGAIN && !Pending()) {
       // The word was not "sleeping" although nothing arrived: the client
       // keeps scribbling on it. Back off instead of spinning on the syscall.
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
-  bell.store(v1::kDoorbellAwake, std::memory_order_release);
+  Disarm();
+}
+
+bool RingConsumer::Pending() const {
+  return std::atomic_ref<uint64_t>(session_->memory().ring_control()->sq_tail).load(std::memory_order_acquire) !=
+             head_ ||
+         stop_.load(std::memory_order_acquire);
 }
 
 uint64_t RingConsumer::SettledTail(std::atomic_ref<uint64_t>& tail_ref) const {
@@ -122,49 +123,55 @@ uint64_t RingConsumer::SettledTail(std::atomic_ref<uint64_t>& tail_ref) const {
 }
 
 void RingConsumer::Loop() {
+  auto spin_until = Clock::now() + options_.spin;
+  while (!finished()) {
+    if (Poll() > 0) {
+      spin_until = Clock::now() + options_.spin;
+    } else if (finished()) {
+      return;
+    } else if (Clock::now() < spin_until) {
+      CpuRelax();
+    } else {
+      Sleep();
+      spin_until = Clock::now();  // after a wake, spin only once records came
+    }
+  }
+}
+
+size_t RingConsumer::Poll() {
+  if (finished()) return 0;
   SessionMemory& memory = session_->memory();
   v1::RingControl* ctl = memory.ring_control();
   std::atomic_ref<uint64_t> tail_ref(ctl->sq_tail);
   std::atomic_ref<uint64_t> head_ref(ctl->sq_head);
   const uint64_t capacity = memory.ring_capacity();
-  alignas(64) std::array<uint8_t, v1::kSlotBytes> copy;
-  uint64_t head = 0;  // private: never read back from the shared sq_head
-  auto spin_until = Clock::now() + options_.spin;
-  while (!stop_.load(std::memory_order_acquire)) {
-    const uint64_t tail = tail_ref.load(std::memory_order_acquire);
-    if (tail == head) {
-      if (Clock::now() < spin_until) {
-        CpuRelax();
-        continue;
-      }
-      Sleep(head);
-      spin_until = Clock::now();  // after a wake, spin only once records came
-      continue;
-    }
-    if (tail < head || tail - head > capacity) {
-      // A client that stores the tail byte by byte (low bytes first) can be
-      // read mid-store, and such a value is never ahead of the real one:
-      // look again a little later before ending the session over it.
-      const uint64_t again = SettledTail(tail_ref);
-      if (again >= head && again - head <= capacity) continue;
-      Status why = again < head ? Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again,
-                                                          " is behind the daemon's head ", head)
-                                : Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again, " is ",
-                                                          again - head, " records ahead of the daemon's head ",
-                                                          head, ", more than the capacity ", capacity);
-      spdlog::error("session {}: {}; ending the session", session_->id(), why.message());
-      stop_.store(true, std::memory_order_release);
-      if (sink_.on_violation) sink_.on_violation(why);
-      return;
-    }
-    for (; head != tail && !stop_.load(std::memory_order_acquire); ++head) {
-      std::memcpy(copy.data(), memory.ring_slot(head), v1::kSlotBytes);  // the one read of this slot
-      head_ref.store(head + 1, std::memory_order_release);
-      if (options_.after_copy) options_.after_copy(head);
-      Process(head, copy.data());
-    }
-    spin_until = Clock::now() + options_.spin;
+  const uint64_t tail = tail_ref.load(std::memory_order_acquire);
+  if (tail == head_) return 0;
+  if (tail < head_ || tail - head_ > capacity) {
+    // A client that stores the tail byte by byte (low bytes first) can be
+    // read mid-store, and such a value is never ahead of the real one:
+    // look again a little later before ending the session over it.
+    const uint64_t again = SettledTail(tail_ref);
+    if (again >= head_ && again - head_ <= capacity) return 0;
+    Status why = again < head_ ? Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again,
+                                                  " is behind the daemon's head ", head_)
+                               : Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again,
+                                                  " is ", again - head_, " records ahead of the daemon's head ",
+                                                  head_, ", more than the capacity ", capacity);
+    spdlog::error("session {}: {}; ending the session", session_->id(), why.message());
+    violated_.store(true, std::memory_order_release);
+    if (sink_.on_violation) sink_.on_violation(why);
+    return 0;
   }
+  alignas(64) std::array<uint8_t, v1::kSlotBytes> copy;
+  size_t taken = 0;
+  for (; head_ != tail && !stop_.load(std::memory_order_acquire); ++head_, ++taken) {
+    std::memcpy(copy.data(), memory.ring_slot(head_), v1::kSlotBytes);  // the one read of this slot
+    head_ref.store(head_ + 1, std::memory_order_release);
+    if (options_.after_copy) options_.after_copy(head_);
+    Process(head_, copy.data());
+  }
+  return taken;
 }
 
 void RingConsumer::Process(uint64_t ticket, const uint8_t* copy) {

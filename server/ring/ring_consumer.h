@@ -1,16 +1,18 @@
 // File: server/ring/ring_consumer.h
 //
 // The daemon's side of one session's shared-memory call ring
-// (proto/cache_dit_opd/v1/ring.h): one thread per ring session, started when
-// the session is bound and stopped when it ends (server/daemon.cc).
+// (proto/cache_dit_opd/v1/ring.h). Passive: whoever serves it calls Poll()
+// (in the daemon, the executor's one thread polls every ring:
+// server/exec/executor.h); Start() gives it a thread of its own instead (the
+// consumer's own tests).
 //
-// Loop:
+// Poll():
 //   1. load-acquire sq_tail; a tail behind the consumer's PRIVATE head, or
 //      more than `capacity` ahead of it, still so when read again ~50 us
 //      later (a tail stored byte by byte can be seen mid-store), is a
 //      protocol violation: the violation hook runs once (the daemon ends that
-//      session) and the thread stops. The shared sq_head and the RingControl
-//      fields are never read.
+//      session) and the consumer is finished. The shared sq_head and the
+//      RingControl fields are never read.
 //   2. for each ticket t in [head, tail): copy slot t % capacity (kSlotBytes,
 //      the mask is the daemon's own capacity) into private memory ONCE,
 //      store-release sq_head = t + 1, decode only the copy
@@ -27,23 +29,24 @@
 //      Completions may be written after the session ended (calls dropped by
 //      the executor): each holds the session, so its memory stays mapped.
 //
-// Waking: after the last record the thread spins on sq_tail for `spin`
-// (pause instruction), then stores doorbell = kDoorbellSleeping (seq_cst),
-// re-reads sq_tail (seq_cst), and FUTEX_WAITs on the doorbell word (a shared
-// futex: the word lives in a MAP_SHARED memfd mapping, so no
-// FUTEX_PRIVATE_FLAG) for at most `sleep_timeout`; on waking it stores
-// kDoorbellAwake. The timeout bounds a missed wake-up and lets a stop be
-// noticed even without RequestStop's wake; an idle ring costs ~10 wake-ups a
-// second and no measurable CPU.
+// Waking: a server with nothing to do calls ArmSleep() (store doorbell =
+// kDoorbellSleeping, seq_cst, then re-read sq_tail, seq_cst: false when a
+// record is there), then sleeps on doorbell() (a shared futex: the word lives
+// in a MAP_SHARED memfd mapping, so no FUTEX_PRIVATE_FLAG) with any other
+// words it serves, and calls Disarm() (kDoorbellAwake) on waking. The client
+// wakes a sleeping doorbell after publishing. Its own thread (Start) spins on
+// sq_tail for `spin` after the last record, then sleeps so for at most
+// `sleep_timeout`; an idle ring costs ~10 wake-ups a second.
 //
 // Back-pressure is the client's: it writes record t only after it consumed
 // completion t - capacity, so the consumer never waits on the client and
 // never overwrites an unconsumed completion of a well-behaved client. A
 // client that breaks this harms only its own completions.
 //
-// Thread-safety: Start/RequestStop/Stop from any thread except that Stop
-// must not run on the consumer thread (it joins it). The sink runs on the
-// consumer thread; completions run wherever the sink answers them.
+// Thread-safety: Poll, ArmSleep and Disarm from one thread at a time (the
+// one serving it). RequestStop from any thread: Poll takes no record after it
+// returns except one already being copied, which the sink answers (the
+// session's state rejects it). Stop must not run on its own thread.
 #pragma once
 
 #include <atomic>
@@ -54,8 +57,10 @@
 #include <thread>
 #include <vector>
 
+#include "cache_dit_opd/v1/ring.h"
 #include "common/call.h"
 #include "common/status.h"
+#include "server/exec/executor.h"
 #include "server/session/session.h"
 
 namespace cache_dit_opd {
@@ -68,7 +73,7 @@ struct RingConsumerOptions {
   std::function<void(uint64_t ticket)> after_copy;
 };
 
-class RingConsumer {
+class RingConsumer final : public CallSource {
  public:
   using Completion = std::function<void(const Status&)>;
   // Where decoded records go. Each function must answer its completion
@@ -87,16 +92,33 @@ class RingConsumer {
   // `session` must have a ring; `catalog` must outlive the consumer.
   RingConsumer(std::shared_ptr<Session> session, const std::vector<OpInfo>* catalog, Sink sink,
                RingConsumerOptions options);
-  ~RingConsumer();  // Stop()
+  ~RingConsumer() override;  // Stop()
   RingConsumer(const RingConsumer&) = delete;
   RingConsumer& operator=(const RingConsumer&) = delete;
 
+  // Takes every record published so far (see the file comment); returns how
+  // many. 0 once finished.
+  size_t Poll() override;
+  // The doorbell dance of a server about to sleep: true when it may sleep on
+  // doorbell() (expecting kDoorbellSleeping), false when a record or a stop
+  // came. Disarm() after waking, whichever it returned.
+  bool ArmSleep() override;
+  void Disarm() override;
+  uint32_t* doorbell() const override;
+  uint32_t sleeping_value() const override { return v1::kDoorbellSleeping; }
+  // Stopped, or ended by a protocol violation: Poll takes nothing more.
+  bool finished() const override {
+    return stop_.load(std::memory_order_acquire) || violated_.load(std::memory_order_acquire);
+  }
+
+  // Serves the ring on a thread of its own.
   void Start();
-  // Asks the thread to stop and wakes it; returns at once. Records not yet
-  // copied stay unanswered (the session is ending); calls already handed to
-  // the sink complete through it (the executor's drop path).
+  // Asks whoever serves it to stop and wakes its doorbell; returns at once.
+  // Records not yet copied stay unanswered (the session is ending); calls
+  // already handed to the sink complete through it (the executor's drop
+  // path).
   void RequestStop();
-  // RequestStop, then joins the thread. Not on the consumer thread.
+  // RequestStop, then joins its own thread if it has one. Not on that thread.
   void Stop();
 
   uint64_t session_id() const { return session_->id(); }
@@ -109,8 +131,10 @@ class RingConsumer {
   void Loop();
   // Copies are decoded and handed over here.
   void Process(uint64_t ticket, const uint8_t* copy);
-  // The doorbell dance; returns when woken, timed out or asked to stop.
-  void Sleep(uint64_t head);
+  // Its own thread's sleep: ArmSleep, futex wait, Disarm.
+  void Sleep();
+  // A record is there or a stop was asked.
+  bool Pending() const;
   // sq_tail again after a short pause (a tail seen mid-store settles).
   uint64_t SettledTail(std::atomic_ref<uint64_t>& tail_ref) const;
 
@@ -119,6 +143,8 @@ class RingConsumer {
   const Sink sink_;
   const RingConsumerOptions options_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> violated_{false};
+  uint64_t head_ = 0;  // private: never read back from the shared sq_head
   std::atomic<uint64_t> records_{0};
   std::atomic<uint64_t> malformed_{0};
   std::atomic<uint64_t> sleeps_{0};
