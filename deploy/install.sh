@@ -12,7 +12,8 @@
 #           with the `python3` on PATH, holding torch 2.11 (PyPI's Linux
 #           x86_64 wheel of 2.11 is the CUDA 13.0 build, same as the GPU
 #           host's 2.11.0+cu130), grpcio, grpcio-tools, protobuf, pytest,
-#           numpy, matplotlib, psutil. A stamp file in the venv records the
+#           numpy, matplotlib, psutil, and cache-dit 1.5.3 without its
+#           dependencies (a test input). A stamp file in the venv records the
 #           requirement set; pip runs only when it differs.
 #   client  the Python client into the venv, `pip install --no-build-isolation
 #           ./python`: with its native engine built against the venv's torch
@@ -45,6 +46,11 @@ PY_REQUIREMENTS=(
   "${CACHE_DIT_TORCH_SPEC:-torch==2.11.*}"
   grpcio grpcio-tools protobuf pytest numpy matplotlib psutil
 )
+# Installed without their dependencies: cache-dit is a pure-Python wheel whose
+# SVDQuant packer (plain torch) the interoperability tests load by path
+# (tests/kernels/test_svdq_reference_cpu.py); its own dependencies (diffusers,
+# transformers) are not needed for that.
+PY_NODEPS_REQUIREMENTS=(cache-dit==1.5.3)
 
 log() { echo "install.sh: $*"; }
 
@@ -78,7 +84,7 @@ install_python() {
   [ -n "$py" ] || { echo "install.sh: python3 not found on PATH" >&2; exit 1; }
   stamp="$VENV/.cache-dit-requirements"
   # The stamp holds the interpreter version and the requirement set.
-  want="$("$py" -c 'import sys; print("python %d.%d" % sys.version_info[:2])')"$'\n'"$(printf '%s\n' "${PY_REQUIREMENTS[@]}")"
+  want="$("$py" -c 'import sys; print("python %d.%d" % sys.version_info[:2])')"$'\n'"$(printf '%s\n' "${PY_REQUIREMENTS[@]}" "${PY_NODEPS_REQUIREMENTS[@]}")"
 
   if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     log "python: $VENV already has: ${PY_REQUIREMENTS[*]}; skipped"
@@ -93,6 +99,8 @@ install_python() {
   log "python: pip install ${PY_REQUIREMENTS[*]}"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PY_REQUIREMENTS[@]}"
+  log "python: pip install --no-deps ${PY_NODEPS_REQUIREMENTS[*]}"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "${PY_NODEPS_REQUIREMENTS[@]}"
   "$VENV/bin/python" - << 'EOF'
 import importlib
 parts = []
