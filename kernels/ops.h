@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <tuple>
 
 namespace cache_dit {
@@ -65,5 +66,51 @@ at::Tensor fp8_comm_qkv_permute_dequant_meta(const at::Tensor& quant_x);
 at::Tensor fp8_comm_qkv_permute_dequant_out_meta(const at::Tensor& quant_x, at::Tensor& out);
 
 }  // namespace comm
+
+namespace svdq {
+
+// kernels/svdq/svdq.h states the layouts; optional tensors may be absent.
+using OptTensor = std::optional<at::Tensor>;
+using ActQuant = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // output, oscales, lora_act_out
+
+ActQuant svdq_quantize_w4a4_act_fuse_lora(const at::Tensor& input, const OptTensor& lora_down,
+                                          const OptTensor& smooth, bool fuse_glu, bool fp4, int64_t pad_size);
+ActQuant svdq_quantize_w4a4_act_fuse_lora_out(const at::Tensor& input, const OptTensor& lora_down,
+                                              const OptTensor& smooth, bool fuse_glu, bool fp4, int64_t pad_size,
+                                              at::Tensor& output, at::Tensor& oscales, at::Tensor& lora_act_out);
+at::Tensor svdq_gemm_w4a4(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                          const at::Tensor& wscales, const OptTensor& lora_act_in, const OptTensor& lora_up,
+                          const OptTensor& bias, bool fp4, double alpha, const OptTensor& wcscales,
+                          bool act_unsigned, int64_t out_dtype_id);
+at::Tensor svdq_gemm_w4a4_out(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                              const at::Tensor& wscales, const OptTensor& lora_act_in, const OptTensor& lora_up,
+                              const OptTensor& bias, bool fp4, double alpha, const OptTensor& wcscales,
+                              bool act_unsigned, int64_t out_dtype_id, at::Tensor& out);
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt(const at::Tensor& input);
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_out(const at::Tensor& input, at::Tensor& output,
+                                                              at::Tensor& oscales);
+
+// Meta kernels (same checks, no launch).
+ActQuant svdq_quantize_w4a4_act_fuse_lora_meta(const at::Tensor& input, const OptTensor& lora_down,
+                                               const OptTensor& smooth, bool fuse_glu, bool fp4,
+                                               int64_t pad_size);
+ActQuant svdq_quantize_w4a4_act_fuse_lora_out_meta(const at::Tensor& input, const OptTensor& lora_down,
+                                                   const OptTensor& smooth, bool fuse_glu, bool fp4,
+                                                   int64_t pad_size, at::Tensor& output, at::Tensor& oscales,
+                                                   at::Tensor& lora_act_out);
+at::Tensor svdq_gemm_w4a4_meta(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                               const at::Tensor& wscales, const OptTensor& lora_act_in, const OptTensor& lora_up,
+                               const OptTensor& bias, bool fp4, double alpha, const OptTensor& wcscales,
+                               bool act_unsigned, int64_t out_dtype_id);
+at::Tensor svdq_gemm_w4a4_out_meta(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                                   const at::Tensor& wscales, const OptTensor& lora_act_in,
+                                   const OptTensor& lora_up, const OptTensor& bias, bool fp4, double alpha,
+                                   const OptTensor& wcscales, bool act_unsigned, int64_t out_dtype_id,
+                                   at::Tensor& out);
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_meta(const at::Tensor& input);
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_out_meta(const at::Tensor& input, at::Tensor& output,
+                                                                   at::Tensor& oscales);
+
+}  // namespace svdq
 
 }  // namespace cache_dit

@@ -22,4 +22,12 @@ SCHEMAS = {
         "fp8_comm_qkv_permute_dequant": "(Tensor quant_x) -> Tensor",
         "fp8_comm_qkv_permute_dequant.out": "(Tensor quant_x, *, Tensor(a!) out) -> Tensor(a!)",
     },
+    "svdq": {
+        "svdq_quantize_w4a4_act_fuse_lora": "(Tensor input, Tensor? lora_down, Tensor? smooth, bool fuse_glu, bool fp4, int pad_size) -> (Tensor output, Tensor oscales, Tensor lora_act_out)",
+        "svdq_quantize_w4a4_act_fuse_lora.out": "(Tensor input, Tensor? lora_down, Tensor? smooth, bool fuse_glu, bool fp4, int pad_size, *, Tensor(a!) output, Tensor(b!) oscales, Tensor(c!) lora_act_out) -> (Tensor(a!) output, Tensor(b!) oscales, Tensor(c!) lora_act_out)",
+        "svdq_gemm_w4a4": "(Tensor act, Tensor wgt, Tensor ascales, Tensor wscales, Tensor? lora_act_in, Tensor? lora_up, Tensor? bias, bool fp4, float alpha, Tensor? wcscales, bool act_unsigned, int out_dtype_id) -> Tensor",
+        "svdq_gemm_w4a4.out": "(Tensor act, Tensor wgt, Tensor ascales, Tensor wscales, Tensor? lora_act_in, Tensor? lora_up, Tensor? bias, bool fp4, float alpha, Tensor? wcscales, bool act_unsigned, int out_dtype_id, *, Tensor(a!) out) -> Tensor(a!)",
+        "svdq_quantize_w4a4_wgt": "(Tensor input) -> (Tensor output, Tensor oscales)",
+        "svdq_quantize_w4a4_wgt.out": "(Tensor input, *, Tensor(a!) output, Tensor(b!) oscales) -> (Tensor(a!) output, Tensor(b!) oscales)",
+    },
 }

@@ -19,8 +19,51 @@ def _merge(po=(2, 3, 4, 8), pl=(2, 3, 4, 1), so=(2, 3, 4, 8), sl=(2, 3, 4, 1), d
     return tuple(m(*s, dtype=d) for s, d in zip(shapes, dtypes))
 
 
+U8, I8 = torch.uint8, torch.int8
+
+
+def _act(x=(4, 256), down=(256, 32), smooth=(256,), fuse_glu=False, fp4=False, pad=256, dtype=BF16):
+    return (m(*x, dtype=dtype), None if down is None else m(*down), None if smooth is None else m(*smooth),
+            fuse_glu, fp4, pad)
+
+
+def _gemm(act=(256, 128), wgt=(128, 128), asc=(4, 256), wsc=(4, 128), la=(256, 32), up=(128, 32), bias=(128,),
+          fp4=False, alpha=1.0, wcscales=None, unsigned=False, out_id=1, act_dtype=U8, wsc_dtype=BF16):
+    return (m(*act, dtype=act_dtype), m(*wgt, dtype=I8), m(*asc), m(*wsc, dtype=wsc_dtype),
+            None if la is None else m(*la, dtype=F32), None if up is None else m(*up),
+            None if bias is None else m(*bias), fp4, alpha, wcscales, unsigned, out_id)
+
+
 # (case id, "op" or "op.out", () -> (args, kwargs), the value the message names)
 CASES = [
+    ("svdq-act-fp4", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(fp4=True), {}), "fp4=True"),
+    ("svdq-act-glu", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(fuse_glu=True), {}), "fuse_glu=True"),
+    ("svdq-act-dtype", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(dtype=F32), {}), "torch.float32"),
+    ("svdq-act-k", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(x=(4, 192), down=None, smooth=None), {}),
+     "got 192"),
+    ("svdq-act-pad", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(pad=0), {}), "got 0"),
+    ("svdq-act-down-k", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(down=(128, 32)), {}), "[128, 32]"),
+    ("svdq-act-rank", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(down=(256, 24)), {}), "got 24"),
+    ("svdq-act-smooth", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(smooth=(128,)), {}), "[128]"),
+    ("svdq-act-out-rows", "svdq_quantize_w4a4_act_fuse_lora.out",
+     lambda: (_act(), {"output": m(4, 128, dtype=U8), "oscales": m(4, 256), "lora_act_out": m(256, 32, dtype=F32)}),
+     "[256, 128]"),
+    ("svdq-gemm-alpha", "svdq_gemm_w4a4", lambda: (_gemm(alpha=0.5), {}), "got 0.5"),
+    ("svdq-gemm-unsigned", "svdq_gemm_w4a4", lambda: (_gemm(unsigned=True), {}), "act_unsigned=True"),
+    ("svdq-gemm-out-id", "svdq_gemm_w4a4", lambda: (_gemm(out_id=3), {}), "got 3"),
+    ("svdq-gemm-act-dtype", "svdq_gemm_w4a4", lambda: (_gemm(act_dtype=I8), {}), "torch.int8"),
+    ("svdq-gemm-k", "svdq_gemm_w4a4", lambda: (_gemm(wgt=(128, 96)), {}), "[128, 96]"),
+    ("svdq-gemm-n", "svdq_gemm_w4a4", lambda: (_gemm(wgt=(96, 128), wsc=(4, 96), up=(96, 32), bias=(96,)), {}),
+     "got 96"),
+    ("svdq-gemm-ascales", "svdq_gemm_w4a4", lambda: (_gemm(asc=(4, 255)), {}), "[4, 255]"),
+    ("svdq-gemm-lora-pair", "svdq_gemm_w4a4", lambda: (_gemm(la=None), {}), "lora_up without lora_act_in"),
+    ("svdq-gemm-lora-act", "svdq_gemm_w4a4", lambda: (_gemm(la=(256, 16)), {}), "[256, 16]"),
+    ("svdq-gemm-bias", "svdq_gemm_w4a4", lambda: (_gemm(bias=(64,)), {}), "[64]"),
+    ("svdq-gemm-out", "svdq_gemm_w4a4.out", lambda: (_gemm(), {"out": m(256, 128, dtype=F16)}), "torch.float16"),
+    ("svdq-wgt-n", "svdq_quantize_w4a4_wgt", lambda: ((m(96, 128),), {}), "got 96"),
+    ("svdq-wgt-k", "svdq_quantize_w4a4_wgt", lambda: ((m(128, 96),), {}), "got 96"),
+    ("svdq-wgt-out", "svdq_quantize_w4a4_wgt.out",
+     lambda: ((m(128, 128),), {"output": m(128, 64, dtype=I8), "oscales": m(2, 128, dtype=F16)}), "torch.float16"),
     ("merge-rank", "fused_merge_attn_states", lambda: (_merge(po=(2, 3, 8)), {}), "[2, 3, 8]"),
     ("merge-lse-rank", "fused_merge_attn_states", lambda: (_merge(sl=(2, 3, 4)), {}), "[2, 3, 4]"),
     ("merge-dtype", "fused_merge_attn_states", lambda: (_merge(dtypes=(torch.float64, F32, BF16, F32)), {}),

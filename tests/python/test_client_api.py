@@ -10,9 +10,9 @@ import torch
 import _client_fixtures as fx
 
 import cache_dit_opd
-from cache_dit_opd import _attn, _comm, kernels
+from cache_dit_opd import _attn, _comm, _svdquant, kernels
 
-DOMAINS = (_attn, _comm)
+DOMAINS = (_attn, _comm, _svdquant)
 OPS = (
     "fused_merge_attn_states",
     "fp8_comm_per_token_quant",
@@ -86,7 +86,7 @@ def test_public_api_is_reexported_from_domain_module():
         assert getattr(kernels, name) is getattr(owners[name], name), name
 
 
-@pytest.mark.parametrize("mod,family", [(_attn, "attn"), (_comm, "comm")])
+@pytest.mark.parametrize("mod,family", [(_attn, "attn"), (_comm, "comm"), (_svdquant, "svdq")])
 def test_every_domain_says_how_to_start_a_daemon_when_none_serves(mod, family, monkeypatch, tmp_path):
     monkeypatch.setenv("CACHE_DIT_OPD_ADDRESS", f"unix:{tmp_path}/none.sock")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

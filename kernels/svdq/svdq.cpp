@@ -1,0 +1,241 @@
+// Checks, output shapes and Meta kernels of the SVDQuant W4A4 ops (host-only),
+// so validation and shape logic run without a GPU.
+#include "kernels/svdq/svdq.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include "kernels/common/checks.h"
+#include "kernels/ops.h"
+
+namespace cache_dit::svdq {
+
+using checks::shape_str;
+
+namespace {
+
+constexpr const char* kActQuant = "svdq_quantize_w4a4_act_fuse_lora";
+constexpr const char* kGemm = "svdq_gemm_w4a4";
+constexpr const char* kWgtQuant = "svdq_quantize_w4a4_wgt";
+
+void check_device(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_cuda() || t.is_meta(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+}
+
+void check_int4_only(const char* op, bool fp4, const char* flag, bool value) {
+  TORCH_CHECK_VALUE(!fp4, op, ": fp4=True is not supported: this build serves INT4 only (NVFP4 needs FP4 tensor "
+                    "cores, which sm_90 has not)");
+  TORCH_CHECK_VALUE(!value, op, ": ", flag, "=True is not supported: this build serves signed INT4 without it");
+}
+
+void check_multiple(const char* op, const char* what, const c10::SymInt& v, int64_t of, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(v % of == 0, op, ": ", what, " must be a multiple of ", of, ", got ", v, " (shape ",
+                    shape_str(t.sym_sizes()), ")");
+}
+
+// A 1-D packed per-channel vector of `n` entries in the model dtype.
+void check_vector(const char* op, const char* name, const at::Tensor& v, const c10::SymInt& n, at::ScalarType dtype,
+                  const at::Tensor& ref, const char* ref_name) {
+  checks::check_dims(op, name, v, 1, "[N] (packed)");
+  TORCH_CHECK_VALUE(v.sym_size(0) == n, op, ": ", name, " must have ", n, " entries, got shape ",
+                    shape_str(v.sym_sizes()));
+  checks::check_dtype(op, name, v, dtype);
+  checks::check_contiguous(op, name, v);
+  checks::check_same_device(op, ref, ref_name, {{name, &v}});
+}
+
+}  // namespace
+
+c10::SymInt padded_rows(const at::Tensor& input, int64_t pad_size) {
+  const c10::SymInt m = input.sym_size(0);
+  return (m + pad_size - 1) / pad_size * pad_size;
+}
+
+at::ScalarType gemm_out_dtype(int64_t out_dtype_id) {
+  TORCH_CHECK_VALUE(out_dtype_id >= 0 && out_dtype_id <= 2, kGemm,
+                    ": out_dtype_id must be 0 (float16), 1 (bfloat16) or 2 (float32), got ", out_dtype_id);
+  constexpr at::ScalarType kOut[] = {at::kHalf, at::kBFloat16, at::kFloat};
+  return kOut[out_dtype_id];
+}
+
+void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>& lora_down,
+                        const std::optional<at::Tensor>& smooth, bool fuse_glu, bool fp4, int64_t pad_size,
+                        const ActQuantOutputs* outs) {
+  const char* op = kActQuant;
+  check_int4_only(op, fp4, "fuse_glu", fuse_glu);
+  check_device(op, "input", input);
+  checks::check_dims(op, "input", input, 2, "[M, K]");
+  checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
+  checks::check_contiguous(op, "input", input);
+  check_multiple(op, "K (input.shape[1])", input.sym_size(1), kKAlign, input);
+  TORCH_CHECK_VALUE(pad_size >= 1, op, ": pad_size must be >= 1, got ", pad_size);
+  const at::ScalarType dtype = input.scalar_type();
+  const c10::SymInt k = input.sym_size(1);
+  c10::SymInt rank = 0;
+  if (lora_down) {
+    const at::Tensor& d = *lora_down;
+    checks::check_dims(op, "lora_down", d, 2, "[K, R] (packed proj_down)");
+    TORCH_CHECK_VALUE(d.sym_size(0) == k, op, ": lora_down must be [K, R] with K = ", k, ", got shape ",
+                      shape_str(d.sym_sizes()));
+    check_multiple(op, "R (lora_down.shape[1])", d.sym_size(1), kRankAlign, d);
+    checks::check_dtype(op, "lora_down", d, dtype);
+    checks::check_contiguous(op, "lora_down", d);
+    checks::check_same_device(op, input, "input", {{"lora_down", &d}});
+    rank = d.sym_size(1);
+  }
+  if (smooth) check_vector(op, "smooth", *smooth, k, dtype, input, "input");
+  if (outs) {
+    const c10::SymInt m_pad = padded_rows(input, pad_size);
+    const std::vector<c10::SymInt> q_shape{m_pad, k / 2};
+    const std::vector<c10::SymInt> s_shape{k / kGroup, m_pad};
+    const std::vector<c10::SymInt> l_shape{m_pad, rank};
+    const at::Tensor* d = lora_down ? &*lora_down : &input;
+    const at::Tensor* s = smooth ? &*smooth : &input;
+    checks::check_output(op, "output", *outs->output, q_shape, at::kByte, input, {&input, d, s});
+    checks::check_output(op, "oscales", *outs->oscales, s_shape, dtype, input, {&input, d, s, outs->output});
+    checks::check_output(op, "lora_act_out", *outs->lora_act_out, l_shape, at::kFloat, input,
+                         {&input, d, s, outs->output, outs->oscales});
+  }
+}
+
+void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
+                const std::optional<at::Tensor>& lora_act_in, const std::optional<at::Tensor>& lora_up,
+                const std::optional<at::Tensor>& bias, bool fp4, double alpha,
+                const std::optional<at::Tensor>& wcscales, bool act_unsigned, int64_t out_dtype_id,
+                const at::Tensor* out) {
+  const char* op = kGemm;
+  check_int4_only(op, fp4, "act_unsigned", act_unsigned);
+  TORCH_CHECK_VALUE(alpha == 1.0, op, ": alpha must be 1.0 for INT4 (it scales NVFP4 only), got ", alpha);
+  TORCH_CHECK_VALUE(!wcscales, op, ": wcscales must be None for INT4 (it scales NVFP4 only)");
+  const at::ScalarType out_dtype = gemm_out_dtype(out_dtype_id);
+  check_device(op, "act", act);
+  checks::check_dims(op, "act", act, 2, "[M_pad, K/2] (from svdq_quantize_w4a4_act_fuse_lora)");
+  checks::check_dtype(op, "act", act, at::kByte);
+  checks::check_contiguous(op, "act", act);
+  checks::check_dims(op, "wgt", wgt, 2, "[N, K/2] (packed qweight)");
+  checks::check_dtype(op, "wgt", wgt, at::kChar);
+  checks::check_contiguous(op, "wgt", wgt);
+  const c10::SymInt m_pad = act.sym_size(0);
+  const c10::SymInt k = act.sym_size(1) * 2;
+  const c10::SymInt n = wgt.sym_size(0);
+  TORCH_CHECK_VALUE(wgt.sym_size(1) == act.sym_size(1), op, ": wgt must be [N, K/2] with K/2 = ", act.sym_size(1),
+                    " as in act, got wgt shape ", shape_str(wgt.sym_sizes()), " and act shape ",
+                    shape_str(act.sym_sizes()));
+  check_multiple(op, "K (2 * act.shape[1])", k, kKAlign, act);
+  check_multiple(op, "N (wgt.shape[0])", n, kBlockN, wgt);
+  checks::check_dims(op, "wscales", wscales, 2, "[K/64, N] (packed)");
+  checks::check_dtype_in(op, "wscales", wscales, {at::kHalf, at::kBFloat16});
+  const at::ScalarType dtype = wscales.scalar_type();
+  TORCH_CHECK_VALUE(wscales.sym_size(0) == k / kGroup && wscales.sym_size(1) == n, op, ": wscales must be [",
+                    k / kGroup, ", ", n, "], got shape ", shape_str(wscales.sym_sizes()));
+  checks::check_contiguous(op, "wscales", wscales);
+  checks::check_dims(op, "ascales", ascales, 2, "[K/64, M_pad]");
+  checks::check_dtype(op, "ascales", ascales, dtype);
+  TORCH_CHECK_VALUE(ascales.sym_size(0) == k / kGroup && ascales.sym_size(1) == m_pad, op, ": ascales must be [",
+                    k / kGroup, ", ", m_pad, "], got shape ", shape_str(ascales.sym_sizes()));
+  checks::check_contiguous(op, "ascales", ascales);
+  checks::check_same_device(op, act, "act", {{"wgt", &wgt}, {"ascales", &ascales}, {"wscales", &wscales}});
+  TORCH_CHECK_VALUE(lora_act_in.has_value() == lora_up.has_value(), op,
+                    ": lora_act_in and lora_up come together (both or neither), got ",
+                    lora_act_in ? "lora_act_in without lora_up" : "lora_up without lora_act_in");
+  if (lora_up) {
+    const at::Tensor& up = *lora_up;
+    const at::Tensor& la = *lora_act_in;
+    checks::check_dims(op, "lora_up", up, 2, "[N, R] (packed proj_up)");
+    TORCH_CHECK_VALUE(up.sym_size(0) == n, op, ": lora_up must be [N, R] with N = ", n, ", got shape ",
+                      shape_str(up.sym_sizes()));
+    check_multiple(op, "R (lora_up.shape[1])", up.sym_size(1), kRankAlign, up);
+    checks::check_dtype(op, "lora_up", up, dtype);
+    checks::check_contiguous(op, "lora_up", up);
+    checks::check_dims(op, "lora_act_in", la, 2, "[M_pad, R]");
+    TORCH_CHECK_VALUE(la.sym_size(0) == m_pad && la.sym_size(1) == up.sym_size(1), op,
+                      ": lora_act_in must be [", m_pad, ", ", up.sym_size(1), "], got shape ",
+                      shape_str(la.sym_sizes()));
+    checks::check_dtype(op, "lora_act_in", la, at::kFloat);
+    checks::check_contiguous(op, "lora_act_in", la);
+    checks::check_same_device(op, act, "act", {{"lora_up", &up}, {"lora_act_in", &la}});
+  }
+  if (bias) check_vector(op, "bias", *bias, n, dtype, act, "act");
+  if (out) {
+    checks::check_output(op, "out", *out, {m_pad, n}, out_dtype, act,
+                         {&act, &wgt, &ascales, &wscales, lora_up ? &*lora_up : &act,
+                          lora_act_in ? &*lora_act_in : &act, bias ? &*bias : &act});
+  }
+}
+
+void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const at::Tensor* oscales) {
+  const char* op = kWgtQuant;
+  check_device(op, "input", input);
+  checks::check_dims(op, "input", input, 2, "[N, K]");
+  checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
+  checks::check_contiguous(op, "input", input);
+  check_multiple(op, "N (input.shape[0])", input.sym_size(0), kBlockN, input);
+  check_multiple(op, "K (input.shape[1])", input.sym_size(1), kGroup, input);
+  if (output) {
+    const c10::SymInt n = input.sym_size(0), k = input.sym_size(1);
+    checks::check_output(op, "output", *output, {n, k / 2}, at::kChar, input, {&input});
+    checks::check_output(op, "oscales", *oscales, {k / kGroup, n}, input.scalar_type(), input, {&input, output});
+  }
+}
+
+// ---- Meta kernels: the same checks, contiguous outputs, no launch ------------------------------------------
+
+namespace {
+
+at::Tensor empty_meta(std::vector<c10::SymInt> shape, const at::Tensor& like, at::ScalarType dtype) {
+  return at::empty_symint(shape, like.options().dtype(dtype));
+}
+
+}  // namespace
+
+ActQuant svdq_quantize_w4a4_act_fuse_lora_meta(const at::Tensor& input, const OptTensor& lora_down,
+                                               const OptTensor& smooth, bool fuse_glu, bool fp4,
+                                               int64_t pad_size) {
+  check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, nullptr);
+  const c10::SymInt m_pad = padded_rows(input, pad_size), k = input.sym_size(1);
+  const c10::SymInt rank = lora_down ? lora_down->sym_size(1) : c10::SymInt(0);
+  return {empty_meta({m_pad, k / 2}, input, at::kByte), empty_meta({k / kGroup, m_pad}, input, input.scalar_type()),
+          empty_meta({m_pad, rank}, input, at::kFloat)};
+}
+
+ActQuant svdq_quantize_w4a4_act_fuse_lora_out_meta(const at::Tensor& input, const OptTensor& lora_down,
+                                                   const OptTensor& smooth, bool fuse_glu, bool fp4,
+                                                   int64_t pad_size, at::Tensor& output, at::Tensor& oscales,
+                                                   at::Tensor& lora_act_out) {
+  const ActQuantOutputs outs{&output, &oscales, &lora_act_out};
+  check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, &outs);
+  return {output, oscales, lora_act_out};
+}
+
+at::Tensor svdq_gemm_w4a4_meta(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                               const at::Tensor& wscales, const OptTensor& lora_act_in, const OptTensor& lora_up,
+                               const OptTensor& bias, bool fp4, double alpha, const OptTensor& wcscales,
+                               bool act_unsigned, int64_t out_dtype_id) {
+  check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
+             out_dtype_id, nullptr);
+  return empty_meta({act.sym_size(0), wgt.sym_size(0)}, act, gemm_out_dtype(out_dtype_id));
+}
+
+at::Tensor svdq_gemm_w4a4_out_meta(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                                   const at::Tensor& wscales, const OptTensor& lora_act_in,
+                                   const OptTensor& lora_up, const OptTensor& bias, bool fp4, double alpha,
+                                   const OptTensor& wcscales, bool act_unsigned, int64_t out_dtype_id,
+                                   at::Tensor& out) {
+  check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
+             out_dtype_id, &out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_meta(const at::Tensor& input) {
+  check_quantize_wgt(input, nullptr, nullptr);
+  const c10::SymInt n = input.sym_size(0), k = input.sym_size(1);
+  return {empty_meta({n, k / 2}, input, at::kChar), empty_meta({k / kGroup, n}, input, input.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_out_meta(const at::Tensor& input, at::Tensor& output,
+                                                                   at::Tensor& oscales) {
+  check_quantize_wgt(input, &output, &oscales);
+  return {output, oscales};
+}
+
+}  // namespace cache_dit::svdq

@@ -1,0 +1,325 @@
+// SVDQuant W4A4 kernels, launchers and entry points (kernels/svdq/svdq.h has
+// the contracts). This is the first, simple generation: every output a
+// thread or a warp of plain CUDA-core code (dp4a for the int8 dots), written
+// to be obviously equal to kernels/svdq_reference.py, against which the
+// tensor-core GEMM that follows is checked. Each rounding is explicit
+// (__fmul_rn, __fadd_rn, __fdiv_rn): no FMA contraction where the reference
+// rounds twice.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include "kernels/common/cuda_utils.cuh"
+#include "kernels/ops.h"
+#include "kernels/svdq/svdq.h"
+
+namespace cache_dit::svdq {
+namespace {
+
+using cuda::from_float;
+using cuda::to_float;
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kWarps = 8;  // warps per block of the warp-per-group kernels
+
+// ---- packed positions (the same permutations as kernels/svdq_reference.py) -------------------------------
+
+// wscales [G, N] / per-channel vectors [N] (groups = 1): column n of its
+// 128-wide block sits at lane 4 j + i, slot 2 a + b, where n % 128 = 16 j + 8 a + 2 i + b.
+__device__ __forceinline__ int64_t scale_pos(int64_t n, int64_t g, int64_t groups) {
+  const int64_t c = n % 128;
+  const int64_t j = c / 16, a = (c / 8) % 2, i = (c / 2) % 4, b = c % 2;
+  return (((n / 128) * groups + g) * 32 + j * 4 + i) * 4 + a * 2 + b;
+}
+
+// qweight: the int32 word holding k .. k + 7 (k % 8 == 0) of row n.
+__device__ __forceinline__ int64_t qweight_word(int64_t n, int64_t k, int64_t k_tiles) {
+  const int64_t c = n % 128, kk = k % 64;
+  const int64_t n_pack = c / 16, n_half = (c / 8) % 2, n_lane = c % 8;
+  const int64_t k_half = kk / 32, k_lane = (kk / 8) % 4;
+  return (((((n / 128) * k_tiles + k / 64) * 8 + n_pack) * 8 + n_lane) * 4 + k_lane) * 2 * 2 + n_half * 2 + k_half;
+}
+
+// proj_down [K, R] (down: logical (rank r, channel c)) and proj_up [N, R]
+// (logical (channel c, rank r)): 16 x 16 tiles of mma B fragments.
+__device__ __forceinline__ int64_t lowrank_pos(int64_t c, int64_t r, int64_t rank, bool down) {
+  const int64_t row = down ? r % 16 : c % 16, col = down ? c % 16 : r % 16;
+  const int64_t n_half = row / 8, n_lane = row % 8, k_half = col / 8, k_lane = (col % 8) / 2, e = col % 2;
+  return ((c / 16) * (rank / 16) + r / 16) * 256 + (((n_lane * 4 + k_lane) * 2 + n_half) * 2 + k_half) * 2 + e;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// Four signed nibbles per byte pair -> the int8 dot of two words of 8 values.
+__device__ __forceinline__ int dot8(uint32_t a, uint32_t w) {
+  auto lo = [](uint32_t v) { return __vsub4((v & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u); };
+  auto hi = [](uint32_t v) { return __vsub4(((v >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u); };
+  return __dp4a(static_cast<int>(lo(a)), static_cast<int>(lo(w)), __dp4a(static_cast<int>(hi(a)),
+                                                                            static_cast<int>(hi(w)), 0));
+}
+
+__device__ __forceinline__ int clamp_q(int q) { return max(-8, min(7, q)); }
+
+// ---- kernels ---------------------------------------------------------------------------------------------
+
+// One warp per (row, 64-group); lane l takes k = 64 g + 2 l, 2 l + 1.
+template <typename T>
+__global__ void quantize_act_kernel(const T* __restrict__ x, const T* __restrict__ smooth, uint8_t* __restrict__ q,
+                                    T* __restrict__ scales, int64_t m_rows, int64_t m_pad, int64_t k_dim) {
+  const int lane = threadIdx.x % 32;
+  const int64_t groups = k_dim / 64;
+  const int64_t g = int64_t{blockIdx.y} * kWarps + threadIdx.x / 32;
+  const int64_t m = blockIdx.x;
+  if (g >= groups) return;
+  const int64_t k = g * 64 + 2 * lane;
+  float v[2] = {0.f, 0.f};
+  if (m < m_rows) {
+    for (int e = 0; e < 2; ++e) {
+      float xv = to_float(x[m * k_dim + k + e]);
+      // x / s rounded to the model dtype, as the reference
+      if (smooth != nullptr) xv = to_float(from_float<T>(__fdiv_rn(xv, to_float(smooth[scale_pos(k + e, 0, 1)]))));
+      v[e] = xv;
+    }
+  }
+  const float amax = warp_max(fmaxf(fabsf(v[0]), fabsf(v[1])));
+  const float scale = __fmul_rn(amax, 1.0f / 7.0f);
+  const float recip = scale == 0.f ? 0.f : __frcp_rn(scale);
+  const int q0 = clamp_q(__float2int_rn(__fmul_rn(v[0], recip)));
+  const int q1 = clamp_q(__float2int_rn(__fmul_rn(v[1], recip)));
+  q[m * (k_dim / 2) + g * 32 + lane] = static_cast<uint8_t>((q0 & 0xF) | ((q1 & 0xF) << 4));
+  if (lane == 0) scales[g * m_pad + m] = from_float<T>(scale);
+}
+
+// lora_act[m, r] = sum_k x[m, k] * down[r, k] in fp32 (rows >= m_rows: 0).
+template <typename T>
+__global__ void lora_down_kernel(const T* __restrict__ x, const T* __restrict__ down, float* __restrict__ act,
+                                 int64_t m_rows, int64_t m_pad, int64_t k_dim, int64_t rank) {
+  const int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (idx >= m_pad * rank) return;
+  const int64_t m = idx / rank, r = idx % rank;
+  float acc = 0.f;
+  if (m < m_rows) {
+    for (int64_t k = 0; k < k_dim; ++k) {
+      acc = fmaf(to_float(x[m * k_dim + k]), to_float(down[lowrank_pos(k, r, rank, true)]), acc);
+    }
+  }
+  act[idx] = acc;
+}
+
+// One warp per (row n, 64-group): offline numerics (fp32, scale = amax / 7
+// rounded to T, 1 for an all-zero group, q = rni(w / scale_rounded)).
+template <typename T>
+__global__ void quantize_wgt_kernel(const T* __restrict__ w, int32_t* __restrict__ qw, T* __restrict__ scales,
+                                    int64_t n_rows, int64_t k_dim) {
+  const int lane = threadIdx.x % 32;
+  const int64_t groups = k_dim / 64;
+  const int64_t warp = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
+  const int64_t n = warp / groups, g = warp % groups;
+  if (n >= n_rows) return;  // the whole warp
+  const int64_t k = g * 64 + 2 * lane;
+  const float a = to_float(w[n * k_dim + k]), b = to_float(w[n * k_dim + k + 1]);
+  const float amax = warp_max(fmaxf(fabsf(a), fabsf(b)));
+  const T stored = from_float<T>(amax == 0.f ? 1.f : __fdiv_rn(amax, 7.f));
+  const float s = to_float(stored);
+  const int q0 = clamp_q(__float2int_rn(__fdiv_rn(a, s))), q1 = clamp_q(__float2int_rn(__fdiv_rn(b, s)));
+  const uint32_t byte = static_cast<uint32_t>((q0 & 0xF) | ((q1 & 0xF) << 4));
+  // Lanes 4 t .. 4 t + 3 hold the 8 nibbles of one word (k = 64 g + 8 t ..).
+  const uint32_t b1 = __shfl_down_sync(kFull, byte, 1), b2 = __shfl_down_sync(kFull, byte, 2),
+                 b3 = __shfl_down_sync(kFull, byte, 3);
+  if (lane % 4 == 0) {
+    qw[qweight_word(n, g * 64 + 8 * (lane / 4), groups)] =
+        static_cast<int32_t>(byte | (b1 << 8) | (b2 << 16) | (b3 << 24));
+  }
+  if (lane == 0) scales[scale_pos(n, g, groups)] = stored;
+}
+
+// One thread per output: sum over groups of (exact int dot) * (as * ws) in
+// fp32, in group order, then bias, then LoRA-up (lora_act rounded to T).
+template <typename T, typename Out>
+__global__ void gemm_kernel(const uint8_t* __restrict__ act, const int32_t* __restrict__ wgt,
+                            const T* __restrict__ ascales, const T* __restrict__ wscales,
+                            const float* __restrict__ lora_act, const T* __restrict__ up, const T* __restrict__ bias,
+                            Out* __restrict__ out, int64_t m_pad, int64_t n_cols, int64_t k_dim, int64_t rank) {
+  const int64_t n = int64_t{blockIdx.x} * 16 + threadIdx.x;
+  const int64_t m = int64_t{blockIdx.y} * 16 + threadIdx.y;
+  if (m >= m_pad || n >= n_cols) return;
+  const int64_t groups = k_dim / 64;
+  const auto* row = reinterpret_cast<const uint32_t*>(act + m * (k_dim / 2));
+  float acc = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    int dot = 0;
+    for (int t = 0; t < 8; ++t) {
+      dot += dot8(row[g * 8 + t], static_cast<uint32_t>(wgt[qweight_word(n, g * 64 + 8 * t, groups)]));
+    }
+    const float sc = __fmul_rn(to_float(ascales[g * m_pad + m]), to_float(wscales[scale_pos(n, g, groups)]));
+    acc = __fadd_rn(acc, __fmul_rn(static_cast<float>(dot), sc));
+  }
+  if (bias != nullptr) acc = __fadd_rn(acc, to_float(bias[scale_pos(n, 0, 1)]));
+  if (rank > 0) {
+    float l = 0.f;
+    for (int64_t r = 0; r < rank; ++r) {
+      l = fmaf(to_float(from_float<T>(lora_act[m * rank + r])), to_float(up[lowrank_pos(n, r, rank, false)]), l);
+    }
+    acc = __fadd_rn(acc, l);
+  }
+  out[m * n_cols + n] = from_float<Out>(acc);
+}
+
+// ---- launchers: check, guard the device, launch on the current stream ---------------------------------------
+
+template <typename F>
+void dispatch_half(at::ScalarType t, F&& f) {
+  if (t == at::kHalf) {
+    f(__half{});
+  } else {
+    f(__nv_bfloat16{});
+  }
+}
+
+template <typename T>
+const T* ptr_or_null(const OptTensor& t) {
+  return t ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
+void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, const OptTensor& smooth, bool fuse_glu,
+                           bool fp4, int64_t pad_size, at::Tensor& output, at::Tensor& oscales,
+                           at::Tensor& lora_act_out) {
+  const ActQuantOutputs outs{&output, &oscales, &lora_act_out};
+  check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, &outs);
+  const int64_t m = input.size(0), k = input.size(1), m_pad = output.size(0);
+  const int64_t rank = lora_act_out.size(1);
+  if (m_pad == 0) return;
+  const c10::cuda::CUDAGuard guard(input.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_half(input.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const dim3 grid(static_cast<unsigned>(m_pad), static_cast<unsigned>(cuda::ceil_div(k / 64, kWarps)));
+    quantize_act_kernel<T><<<grid, 32 * kWarps, 0, stream>>>(
+        reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(smooth),
+        static_cast<uint8_t*>(output.data_ptr()), reinterpret_cast<T*>(oscales.data_ptr()), m, m_pad, k);
+    if (rank > 0) {
+      const int64_t threads = m_pad * rank;
+      lora_down_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(threads, 256)), 256, 0, stream>>>(
+          reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(lora_down),
+          static_cast<float*>(lora_act_out.data_ptr()), m, m_pad, k, rank);
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
+                   const OptTensor& lora_act_in, const OptTensor& lora_up, const OptTensor& bias, bool fp4,
+                   double alpha, const OptTensor& wcscales, bool act_unsigned, int64_t out_dtype_id,
+                   at::Tensor& out) {
+  check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
+             out_dtype_id, &out);
+  const int64_t m_pad = act.size(0), k = act.size(1) * 2, n = wgt.size(0);
+  const int64_t rank = lora_up ? lora_up->size(1) : 0;
+  if (m_pad == 0) return;
+  const c10::cuda::CUDAGuard guard(act.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 block(16, 16);
+  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, 16)), static_cast<unsigned>(cuda::ceil_div(m_pad, 16)));
+  dispatch_half(wscales.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    auto launch = [&](auto* o) {
+      using Out = std::remove_pointer_t<decltype(o)>;
+      gemm_kernel<T, Out><<<grid, block, 0, stream>>>(
+          static_cast<const uint8_t*>(act.data_ptr()), static_cast<const int32_t*>(wgt.data_ptr()),
+          reinterpret_cast<const T*>(ascales.data_ptr()), reinterpret_cast<const T*>(wscales.data_ptr()),
+          lora_act_in ? static_cast<const float*>(lora_act_in->data_ptr()) : nullptr, ptr_or_null<T>(lora_up),
+          ptr_or_null<T>(bias), o, m_pad, n, k, rank);
+    };
+    switch (out.scalar_type()) {
+      case at::kHalf: launch(reinterpret_cast<__half*>(out.data_ptr())); break;
+      case at::kBFloat16: launch(reinterpret_cast<__nv_bfloat16*>(out.data_ptr())); break;
+      default: launch(static_cast<float*>(out.data_ptr())); break;
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void quantize_wgt_launcher(const at::Tensor& input, at::Tensor& output, at::Tensor& oscales) {
+  check_quantize_wgt(input, &output, &oscales);
+  const int64_t n = input.size(0), k = input.size(1);
+  if (n == 0 || k == 0) return;
+  const c10::cuda::CUDAGuard guard(input.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_half(input.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t warps = n * (k / 64);
+    quantize_wgt_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(warps, kWarps)), 32 * kWarps, 0, stream>>>(
+        reinterpret_cast<const T*>(input.data_ptr()), static_cast<int32_t*>(output.data_ptr()),
+        reinterpret_cast<T*>(oscales.data_ptr()), n, k);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor empty_of(std::initializer_list<int64_t> shape, const at::Tensor& like, at::ScalarType dtype) {
+  return at::empty(shape, like.options().dtype(dtype));
+}
+
+}  // namespace
+
+// ---- entry points ------------------------------------------------------------------------------------------
+
+ActQuant svdq_quantize_w4a4_act_fuse_lora_out(const at::Tensor& input, const OptTensor& lora_down,
+                                              const OptTensor& smooth, bool fuse_glu, bool fp4, int64_t pad_size,
+                                              at::Tensor& output, at::Tensor& oscales, at::Tensor& lora_act_out) {
+  quantize_act_launcher(input, lora_down, smooth, fuse_glu, fp4, pad_size, output, oscales, lora_act_out);
+  return {output, oscales, lora_act_out};
+}
+
+ActQuant svdq_quantize_w4a4_act_fuse_lora(const at::Tensor& input, const OptTensor& lora_down,
+                                          const OptTensor& smooth, bool fuse_glu, bool fp4, int64_t pad_size) {
+  check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, nullptr);
+  const int64_t k = input.size(1), m_pad = padded_rows(input, pad_size).expect_int();
+  const int64_t rank = lora_down ? lora_down->size(1) : 0;
+  at::Tensor output = empty_of({m_pad, k / 2}, input, at::kByte);
+  at::Tensor oscales = empty_of({k / kGroup, m_pad}, input, input.scalar_type());
+  at::Tensor lora_act_out = empty_of({m_pad, rank}, input, at::kFloat);
+  quantize_act_launcher(input, lora_down, smooth, fuse_glu, fp4, pad_size, output, oscales, lora_act_out);
+  return {output, oscales, lora_act_out};
+}
+
+at::Tensor svdq_gemm_w4a4_out(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                              const at::Tensor& wscales, const OptTensor& lora_act_in, const OptTensor& lora_up,
+                              const OptTensor& bias, bool fp4, double alpha, const OptTensor& wcscales,
+                              bool act_unsigned, int64_t out_dtype_id, at::Tensor& out) {
+  gemm_launcher(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
+                out_dtype_id, out);
+  return out;
+}
+
+at::Tensor svdq_gemm_w4a4(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                          const at::Tensor& wscales, const OptTensor& lora_act_in, const OptTensor& lora_up,
+                          const OptTensor& bias, bool fp4, double alpha, const OptTensor& wcscales,
+                          bool act_unsigned, int64_t out_dtype_id) {
+  check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
+             out_dtype_id, nullptr);
+  at::Tensor out = empty_of({act.size(0), wgt.size(0)}, act, gemm_out_dtype(out_dtype_id));
+  gemm_launcher(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
+                out_dtype_id, out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_out(const at::Tensor& input, at::Tensor& output,
+                                                              at::Tensor& oscales) {
+  quantize_wgt_launcher(input, output, oscales);
+  return {output, oscales};
+}
+
+std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt(const at::Tensor& input) {
+  check_quantize_wgt(input, nullptr, nullptr);
+  const int64_t n = input.size(0), k = input.size(1);
+  at::Tensor output = empty_of({n, k / 2}, input, at::kChar);
+  at::Tensor oscales = empty_of({k / kGroup, n}, input, input.scalar_type());
+  quantize_wgt_launcher(input, output, oscales);
+  return {output, oscales};
+}
+
+}  // namespace cache_dit::svdq

@@ -1,0 +1,70 @@
+// File: kernels/svdq/svdq.h
+//
+// Layout contracts of the SVDQuant W4A4 (INT4) ops, one check function each,
+// shared by the CUDA launchers and the Meta kernels. Checkpoint-visible
+// tensors are in nunchaku's packed layouts, written once in Python:
+// kernels/svdq_reference.py (its packers are byte-identical to cache-dit's).
+// The activation, its scales and lora_act are this family's own (the kernels
+// of this file produce and consume them; nothing else reads them).
+//
+// Notation: M tokens, K in_features, N out_features, R rank, G = K / 64
+// groups, M_pad = M rounded up to pad_size. Model dtype T: float16 or
+// bfloat16. INT4 only: fp4, fuse_glu and act_unsigned must be false (FP4
+// needs FP4 tensor cores, which sm_90 has not).
+//
+//   svdq_quantize_w4a4_act_fuse_lora
+//     input [M, K] T contiguous, K % 128 == 0
+//     lora_down [K, R] T packed (proj_down: already divided by smooth), R % 16 == 0, or None (R = 0)
+//     smooth [K] T packed (smooth_factor), or None (1)
+//     -> output [M_pad, K/2] uint8: row-major nibbles, value k of row m in byte
+//        m * K/2 + k/2, even k in the low nibble (signed INT4)
+//        oscales [G, M_pad] T row-major: scale of (row m, group g) at g * M_pad + m
+//        lora_act_out [M_pad, R] float32 row-major: x @ proj_down (raw x)
+//     Rows m >= M come out as q 0, scale 0, lora_act 0. Numerics:
+//     kernels/svdq_reference.py quantize_act (bit-exact).
+//   svdq_gemm_w4a4
+//     act, ascales as produced above (M_pad rows); wgt [N, K/2] int8 packed
+//     (qweight), N % 128 == 0; wscales [G, N] T packed; lora_act_in [M_pad, R]
+//     float32 and lora_up [N, R] T packed, both or neither; bias [N] T packed
+//     or None; alpha == 1; wcscales None; out_dtype_id 0 float16, 1 bfloat16,
+//     2 float32 -> out [M_pad, N]. Numerics: linear_faithful (exact int32 group
+//     dots, groups accumulated in fp32 in order, then bias, then LoRA).
+//   svdq_quantize_w4a4_wgt
+//     input [N, K] T contiguous, N % 128 == 0, K % 64 == 0
+//     -> output [N, K/2] int8 packed (qweight), oscales [G, N] T packed
+//     (wscales). Numerics: quantize_weight (bit-exact).
+// Outputs are contiguous and overlap no operand.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace cache_dit::svdq {
+
+inline constexpr int64_t kGroup = 64;
+inline constexpr int64_t kBlockN = 128;
+inline constexpr int64_t kKAlign = 128;
+inline constexpr int64_t kRankAlign = 16;
+
+struct ActQuantOutputs {
+  const at::Tensor* output;
+  const at::Tensor* oscales;
+  const at::Tensor* lora_act_out;
+};
+
+void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>& lora_down,
+                        const std::optional<at::Tensor>& smooth, bool fuse_glu, bool fp4, int64_t pad_size,
+                        const ActQuantOutputs* outs);
+void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
+                const at::Tensor& wscales, const std::optional<at::Tensor>& lora_act_in,
+                const std::optional<at::Tensor>& lora_up, const std::optional<at::Tensor>& bias, bool fp4,
+                double alpha, const std::optional<at::Tensor>& wcscales, bool act_unsigned,
+                int64_t out_dtype_id, const at::Tensor* out);
+void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const at::Tensor* oscales);
+
+// Output geometry (inputs already checked).
+c10::SymInt padded_rows(const at::Tensor& input, int64_t pad_size);
+at::ScalarType gemm_out_dtype(int64_t out_dtype_id);
+
+}  // namespace cache_dit::svdq
