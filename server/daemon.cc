@@ -4,6 +4,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/log_throttle.h"
 #include "cache_dit_opd/v1/session_memory.h"
 
 namespace cache_dit_opd {
@@ -162,7 +163,11 @@ void Daemon::RegisterRegion(uint64_t session_id, std::string_view token, std::st
       spdlog::debug("session {}: region {} ({} bytes){}", s->id(), r.region_id, r.mapped_size,
                     r.reused ? " reused" : " mapped");
     } else {
-      spdlog::warn("session {}: RegisterRegion refused: {}", s->id(), rs.ToString());
+      // A peer can cause this at will: a bounded number of lines per interval.
+      static LogThrottle refused(10, std::chrono::seconds(10));
+      if (const auto v = refused.Next(); v.log) {
+        spdlog::warn("session {}: RegisterRegion refused: {}{}", s->id(), rs.ToString(), SuppressedNote(v.suppressed));
+      }
     }
     done(rs, r);
   };

@@ -579,6 +579,25 @@ _depth = threading.local()
 MAX_FALLBACKS = 4  # a call the native kernels hand back more often than this fails, saying why
 
 
+class _RetryBudget:
+    """What one call may spend on its errors' actions: one re-registration and one reconnect."""
+
+    __slots__ = ("_reregistered", "_reconnected")
+
+    def __init__(self):
+        self._reregistered = self._reconnected = False
+
+    def reregister(self) -> bool:
+        """Spends the re-registration; False when it is spent already."""
+        spent, self._reregistered = self._reregistered, True
+        return not spent
+
+    def reconnect(self) -> bool:
+        """Spends the reconnect; False when it is spent already."""
+        spent, self._reconnected = self._reconnected, True
+        return not spent
+
+
 def _out_is_empty(args: Sequence[Any]) -> bool:
     return any(hasattr(a, "numel") and a.numel() == 0 for a in args)
 
@@ -596,8 +615,9 @@ def run(get_required: Callable[[int], Session], device_index: int, op: str, args
     if again is None:
         return _run_host_ordered(get_required, device_index, op, label, args)
     depth = getattr(_depth, "n", 0)
-    if depth == 0:  # the outermost fallback of this call: one re-registration and one reconnect to spend
-        _depth.reconnected = _depth.reregistered = False
+    if depth == 0:  # the outermost fallback of this call: its budget, for every fallback of the call
+        _depth.budget = _RetryBudget()
+    budget = _depth.budget
     if depth >= MAX_FALLBACKS:
         why, err = _native.last_fallback()
         raise RuntimeError(f"{label}: the native engine handed the call back {depth} times (last: {why}"
@@ -608,19 +628,17 @@ def run(get_required: Callable[[int], Session], device_index: int, op: str, args
         old = _sessions.get(device_index)
         if old is not None:
             old.fail(err)  # the session that handed the call back; the next one is opened below
-        if err.action == _errors.FAIL or _depth.reconnected:
+        if err.action == _errors.FAIL or not budget.reconnect():
             _errors.raise_for(label, err)
-        _depth.reconnected = True
     try:
         s = get_required(device_index)  # opens or reopens the session, checks the catalog (activating it)
         if s.native is None:  # a session without the engine (no ring: CACHE_DIT_OPD_RING=0, --no-ring)
             return _run_host_ordered(get_required, device_index, op, label, args)
-        if not _act_on_fallback(s, why, err, op, label, device_index, args):
+        if not _act_on_fallback(s, why, err, op, label, device_index, args, budget):
             return
     except SessionFailedError as e:  # registering found the session gone: dispatching again reconnects
-        if not e.retryable or _depth.reconnected:
+        if not e.retryable or not budget.reconnect():
             raise
-        _depth.reconnected = True
     _depth.n = depth + 1
     try:
         again()
@@ -628,7 +646,8 @@ def run(get_required: Callable[[int], Session], device_index: int, op: str, args
         _depth.n = depth
 
 
-def _act_on_fallback(s: Session, why: str, err, op: str, label: str, device_index: int, args) -> bool:
+def _act_on_fallback(s: Session, why: str, err, op: str, label: str, device_index: int, args,
+                     budget: _RetryBudget) -> bool:
     """Does what the native kernel's reason for handing a call back asks of the (re)opened session ``s``.
 
     False when the call has nothing left to do (an empty output), else dispatch it again.
@@ -649,8 +668,7 @@ def _act_on_fallback(s: Session, why: str, err, op: str, label: str, device_inde
     elif why == "region_miss":
         s.register(args)
     elif why == "rejected" and err is not None:
-        if err.action == _errors.REREGISTER and not _depth.reregistered:
-            _depth.reregistered = True
+        if err.action == _errors.REREGISTER and budget.reregister():
             s.regions.forget(s.register(args))  # the daemon no longer knows one: drop the call's, register again
             s.register(args)
         elif err.action not in (_errors.RECONNECT, _errors.FAIL):
@@ -661,27 +679,24 @@ def _act_on_fallback(s: Session, why: str, err, op: str, label: str, device_inde
 def _run_host_ordered(get_required, device_index: int, op: str, label: str, args: Sequence[Any]) -> None:
     if _out_is_empty(args):
         return
-    reregistered = reconnected = False
+    budget = _RetryBudget()
     while True:
         s = get_required(device_index)
         try:
             s.call_host_ordered(op, args)
             return
         except DaemonError as e:
-            if e.action == _errors.REREGISTER and not reregistered:
+            if e.action == _errors.REREGISTER and budget.reregister():
                 s.regions.forget(getattr(e, "regions", ()))
-                reregistered = True
                 continue
             if e.action in (_errors.RECONNECT, _errors.FAIL):
                 s.fail(e)
-                if e.action == _errors.RECONNECT and not reconnected:
-                    reconnected = True
+                if e.action == _errors.RECONNECT and budget.reconnect():
                     continue
             _errors.raise_for(label, e)
         except SessionFailedError as e:  # registering an allocation found the session gone
-            if not e.retryable or reconnected:
+            if not e.retryable or not budget.reconnect():
                 raise
-            reconnected = True
 
 
 # -- process-wide session table ----------------------------------------------------------------------

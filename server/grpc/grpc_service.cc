@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/log_throttle.h"
 #include "common/call_proto.h"
 #include "server/grpc/grpc_status.h"
 #include "server/grpc/proto_convert.h"
@@ -31,7 +32,12 @@ grpc::ServerUnaryReactor* OperatorDaemonService::OpenSession(grpc::CallbackServe
   if (s.ok()) {
     ToProto(result, reply);
   } else {
-    spdlog::warn("OpenSession from pid {} refused: {}", request->client_pid(), s.ToString());
+    // A peer can cause this at will: a bounded number of lines per interval.
+    static LogThrottle refused(10, std::chrono::seconds(10));
+    if (const auto v = refused.Next(); v.log) {
+      spdlog::warn("OpenSession from pid {} refused: {}{}", request->client_pid(), s.ToString(),
+                   SuppressedNote(v.suppressed));
+    }
   }
   return FinishNow(ctx, s);
 }

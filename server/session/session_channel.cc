@@ -13,6 +13,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/log_throttle.h"
 #include "cache_dit_opd/v1/session_memory.h"
 
 namespace cache_dit_opd {
@@ -187,7 +188,12 @@ void SessionChannel::HandleBind(Conn& conn) {
             : manager_->Bind(std::string_view(buf, len), peer, &session);
   }
   if (!s.ok()) {
-    spdlog::warn("session channel: bind refused for pid {} uid {}: {}", peer.pid, peer.uid, s.ToString());
+    // A peer can cause this at will: a bounded number of lines per interval.
+    static LogThrottle refused(10, std::chrono::seconds(10));
+    if (const auto v = refused.Next(); v.log) {
+      spdlog::warn("session channel: bind refused for pid {} uid {}: {}{}", peer.pid, peer.uid, s.ToString(),
+                   SuppressedNote(v.suppressed));
+    }
     (void)SendBindReply(fd, s, 0, -1);  // best effort: the peer may be gone
     CloseConn(fd);
     return;
