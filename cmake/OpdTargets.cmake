@@ -52,6 +52,28 @@ endfunction()
 
 option(CACHE_DIT_WERROR "Treat warnings in the project's own code as errors" OFF)
 
+# Sanitizers (tests/run.sh step 5 builds the C++ suites with address,undefined): every
+# C and C++ translation unit of the project is instrumented, and every C/C++
+# link gets the runtime. CUDA device code is not instrumented, and a target
+# linked by nvcc (the kernel library) gets no runtime of its own: its
+# instrumented host objects resolve it from the executable that loads it.
+set(CACHE_DIT_SANITIZE "" CACHE STRING
+    "Sanitizers for the project's C/C++, as -fsanitize= takes them: address,undefined or thread; empty: none")
+if(CACHE_DIT_SANITIZE)
+  set(_opd_san -fsanitize=${CACHE_DIT_SANITIZE} -fno-omit-frame-pointer -g)
+  if(CACHE_DIT_SANITIZE MATCHES "undefined")
+    list(APPEND _opd_san -fno-sanitize-recover=undefined)  # a finding fails the test
+  endif()
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    # GCC 12 warns about its own instrumented std::vector code at -O3
+    # ("writing 1 byte into a region of size 0"): not our code.
+    list(APPEND _opd_san -Wno-stringop-overflow)
+  endif()
+  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:${_opd_san}>")
+  add_link_options("$<$<LINK_LANGUAGE:C,CXX>:-fsanitize=${CACHE_DIT_SANITIZE}>")
+  message(STATUS "cache-dit-opd: sanitizers ${CACHE_DIT_SANITIZE}")
+endif()
+
 set(_OPD_PROJECT_FOLDERS common kernels server client tests bench tools proto)
 set(_OPD_LAYER_common common)
 set(_OPD_LAYER_kernels kernels)

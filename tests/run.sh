@@ -8,6 +8,7 @@
 #                                 default 90a, to keep CI short; -Werror
 # 3. ctest -LE gpu                GoogleTest suites that need no device
 # 4. pytest tests/kernels, tests/python, tests/bench -m "not gpu" (one process each)
+# 5. the C++ suites again under ASan+UBSan (CACHE_DIT_SANITIZERS=none skips it)
 # ctest and pytest both run whatever the other did; the script exits non-zero
 # when any step failed, when ctest found no test, or when pytest collected none
 # (its exit code 5). JUnit files and the build folder: ${CACHE_DIT_BUILD_DIR:-build}.
@@ -84,15 +85,42 @@ for suite in tests/kernels tests/python tests/bench; do
   JUNIT+=("$xml" "$rc")
 done
 
+# ---- 5. sanitizers ------------------------------------------------------------
+# The C++ suites once more, built with AddressSanitizer + UndefinedBehaviorSanitizer
+# (CACHE_DIT_SANITIZE, cmake/OpdTargets.cmake; leak checks on, a finding fails
+# its test) into $BUILD_DIR-asan. Left out: server.daemon_process, which runs
+# pytest (an instrumented library cannot be loaded into an uninstrumented
+# Python). CACHE_DIT_SANITIZERS=none skips the step.
+SAN_RC=0
+if [ "${CACHE_DIT_SANITIZERS:-asan}" != "none" ] && [ "$BUILD_RC" -eq 0 ]; then
+  ASAN_DIR="$BUILD_DIR-asan"
+  t0=$SECONDS
+  say "== sanitizers: ASan+UBSan build into $ASAN_DIR"
+  CACHE_DIT_PYTHON="${CACHE_DIT_PYTHON:-$PY}" ./deploy/build.sh --build-dir "$ASAN_DIR" -- \
+    -DCACHE_DIT_SANITIZE=address,undefined
+  SAN_RC=$?
+  rm -f "$RESULTS/ctest-asan.xml"
+  if [ "$SAN_RC" -eq 0 ]; then
+    say "== ctest under ASan+UBSan (label gpu and server.daemon_process excluded)"
+    # protect_shadow_gap=0: the CUDA runtime maps memory where ASan's shadow gap would be.
+    ASAN_OPTIONS="protect_shadow_gap=0:detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
+      ctest --test-dir "$ASAN_DIR" --output-on-failure --no-tests=error -LE gpu -E '^server\.daemon_process$' \
+      --output-junit "$RESULTS/ctest-asan.xml"
+    SAN_RC=$?
+  fi
+  JUNIT+=("$RESULTS/ctest-asan.xml" "$SAN_RC")
+  say "sanitizers $(status_of "$SAN_RC") in $((SECONDS - t0)) s"
+fi
+
 # ---- summary ------------------------------------------------------------------
 # Count testcases in both JUnit files; a step that failed without a failing
 # testcase (build error, no tests, crash) counts as one failure.
 COUNTS="$("$PY" tests/junit_summary.py "${JUNIT[@]}")" || COUNTS="0 1 0"
 read -r N_PASS N_FAIL N_SKIP <<< "$COUNTS"
 
-say "install $(status_of "$INSTALL_RC"), build $(status_of "$BUILD_RC"), ctest $(status_of "$CTEST_RC"), pytest $(status_of "$PYTEST_RC"); $((SECONDS - START)) s"
+say "install $(status_of "$INSTALL_RC"), build $(status_of "$BUILD_RC"), ctest $(status_of "$CTEST_RC"), pytest $(status_of "$PYTEST_RC"), sanitizers $(status_of "$SAN_RC"); $((SECONDS - START)) s"
 echo "$N_PASS passed, $N_FAIL failed, $N_SKIP skipped"
-if [ "$BUILD_RC" -ne 0 ] || [ "$CTEST_RC" -ne 0 ] || [ "$PYTEST_RC" -ne 0 ] || [ "$N_FAIL" -ne 0 ]; then
+if [ "$BUILD_RC" -ne 0 ] || [ "$CTEST_RC" -ne 0 ] || [ "$PYTEST_RC" -ne 0 ] || [ "$SAN_RC" -ne 0 ] || [ "$N_FAIL" -ne 0 ]; then
   exit 1
 fi
 exit 0

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "client/core/monitor.h"
+#include "common/intentional_leak.h"
 #include "common/cuda/device_guard.h"
 
 namespace cache_dit_opd::client {
@@ -134,8 +135,8 @@ SessionEngine::~SessionEngine() {
     // Kept for the process's life: a stream may still touch them.
     if (lane_ops_) lane_ops_->Leak();
     if (memory_) memory_->Leak();
-    (void)lane_ops_.release();
-    (void)memory_.release();
+    IntentionalLeak(lane_ops_);
+    IntentionalLeak(memory_);
     return;
   }
   lane_ops_.reset();
