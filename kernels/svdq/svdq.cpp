@@ -46,9 +46,21 @@ void check_vector(const char* op, const char* name, const at::Tensor& v, const c
 
 }  // namespace
 
-c10::SymInt padded_rows(const at::Tensor& input, int64_t pad_size) {
-  const c10::SymInt m = input.sym_size(0);
-  return (m + pad_size - 1) / pad_size * pad_size;
+ActQuantShapes act_quant_shapes(const at::Tensor& input, const std::optional<at::Tensor>& lora_down,
+                                int64_t pad_size) {
+  const c10::SymInt m_pad = (input.sym_size(0) + pad_size - 1) / pad_size * pad_size;
+  const c10::SymInt k = input.sym_size(1);
+  const c10::SymInt rank = lora_down ? lora_down->sym_size(1) : c10::SymInt(0);
+  return {{m_pad, k / 2}, {k / kGroup, m_pad}, {m_pad, rank}};
+}
+
+WgtQuantShapes wgt_quant_shapes(const at::Tensor& input) {
+  const c10::SymInt n = input.sym_size(0), k = input.sym_size(1);
+  return {{n, k / 2}, {k / kGroup, n}};
+}
+
+std::vector<c10::SymInt> gemm_out_shape(const at::Tensor& act, const at::Tensor& wgt) {
+  return {act.sym_size(0), wgt.sym_size(0)};
 }
 
 at::ScalarType gemm_out_dtype(int64_t out_dtype_id) {
@@ -71,7 +83,6 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
   TORCH_CHECK_VALUE(pad_size >= 1, op, ": pad_size must be >= 1, got ", pad_size);
   const at::ScalarType dtype = input.scalar_type();
   const c10::SymInt k = input.sym_size(1);
-  c10::SymInt rank = 0;
   if (lora_down) {
     const at::Tensor& d = *lora_down;
     checks::check_dims(op, "lora_down", d, 2, "[K, R] (packed proj_down)");
@@ -81,19 +92,15 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
     checks::check_dtype(op, "lora_down", d, dtype);
     checks::check_contiguous(op, "lora_down", d);
     checks::check_same_device(op, input, "input", {{"lora_down", &d}});
-    rank = d.sym_size(1);
   }
   if (smooth) check_vector(op, "smooth", *smooth, k, dtype, input, "input");
   if (outs) {
-    const c10::SymInt m_pad = padded_rows(input, pad_size);
-    const std::vector<c10::SymInt> q_shape{m_pad, k / 2};
-    const std::vector<c10::SymInt> s_shape{k / kGroup, m_pad};
-    const std::vector<c10::SymInt> l_shape{m_pad, rank};
+    const ActQuantShapes shapes = act_quant_shapes(input, lora_down, pad_size);
     const at::Tensor* d = lora_down ? &*lora_down : &input;
     const at::Tensor* s = smooth ? &*smooth : &input;
-    checks::check_output(op, "output", *outs->output, q_shape, at::kByte, input, {&input, d, s});
-    checks::check_output(op, "oscales", *outs->oscales, s_shape, dtype, input, {&input, d, s, outs->output});
-    checks::check_output(op, "lora_act_out", *outs->lora_act_out, l_shape, at::kFloat, input,
+    checks::check_output(op, "output", *outs->output, shapes.output, at::kByte, input, {&input, d, s});
+    checks::check_output(op, "oscales", *outs->oscales, shapes.oscales, dtype, input, {&input, d, s, outs->output});
+    checks::check_output(op, "lora_act_out", *outs->lora_act_out, shapes.lora_act_out, at::kFloat, input,
                          {&input, d, s, outs->output, outs->oscales});
   }
 }
@@ -157,7 +164,7 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
   }
   if (bias) check_vector(op, "bias", *bias, n, dtype, act, "act");
   if (out) {
-    checks::check_output(op, "out", *out, {m_pad, n}, out_dtype, act,
+    checks::check_output(op, "out", *out, gemm_out_shape(act, wgt), out_dtype, act,
                          {&act, &wgt, &ascales, &wscales, lora_up ? &*lora_up : &act,
                           lora_act_in ? &*lora_act_in : &act, bias ? &*bias : &act});
   }
@@ -172,30 +179,25 @@ void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const
   check_multiple(op, "N (input.shape[0])", input.sym_size(0), kBlockN, input);
   check_multiple(op, "K (input.shape[1])", input.sym_size(1), kGroup, input);
   if (output) {
-    const c10::SymInt n = input.sym_size(0), k = input.sym_size(1);
-    checks::check_output(op, "output", *output, {n, k / 2}, at::kChar, input, {&input});
-    checks::check_output(op, "oscales", *oscales, {k / kGroup, n}, input.scalar_type(), input, {&input, output});
+    const WgtQuantShapes shapes = wgt_quant_shapes(input);
+    checks::check_output(op, "output", *output, shapes.output, at::kChar, input, {&input});
+    checks::check_output(op, "oscales", *oscales, shapes.oscales, input.scalar_type(), input, {&input, output});
   }
 }
 
-// ---- Meta kernels: the same checks, contiguous outputs, no launch ------------------------------------------
-
-namespace {
-
-at::Tensor empty_meta(std::vector<c10::SymInt> shape, const at::Tensor& like, at::ScalarType dtype) {
+at::Tensor new_output(const std::vector<c10::SymInt>& shape, const at::Tensor& like, at::ScalarType dtype) {
   return at::empty_symint(shape, like.options().dtype(dtype));
 }
 
-}  // namespace
+// ---- Meta kernels: the same checks, contiguous outputs, no launch ------------------------------------------
 
 ActQuant svdq_quantize_w4a4_act_fuse_lora_meta(const at::Tensor& input, const OptTensor& lora_down,
                                                const OptTensor& smooth, bool fuse_glu, bool fp4,
                                                int64_t pad_size) {
   check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, nullptr);
-  const c10::SymInt m_pad = padded_rows(input, pad_size), k = input.sym_size(1);
-  const c10::SymInt rank = lora_down ? lora_down->sym_size(1) : c10::SymInt(0);
-  return {empty_meta({m_pad, k / 2}, input, at::kByte), empty_meta({k / kGroup, m_pad}, input, input.scalar_type()),
-          empty_meta({m_pad, rank}, input, at::kFloat)};
+  const ActQuantShapes shapes = act_quant_shapes(input, lora_down, pad_size);
+  return {new_output(shapes.output, input, at::kByte), new_output(shapes.oscales, input, input.scalar_type()),
+          new_output(shapes.lora_act_out, input, at::kFloat)};
 }
 
 ActQuant svdq_quantize_w4a4_act_fuse_lora_out_meta(const at::Tensor& input, const OptTensor& lora_down,
@@ -213,7 +215,7 @@ at::Tensor svdq_gemm_w4a4_meta(const at::Tensor& act, const at::Tensor& wgt, con
                                bool act_unsigned, int64_t out_dtype_id) {
   check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
              out_dtype_id, nullptr);
-  return empty_meta({act.sym_size(0), wgt.sym_size(0)}, act, gemm_out_dtype(out_dtype_id));
+  return new_output(gemm_out_shape(act, wgt), act, gemm_out_dtype(out_dtype_id));
 }
 
 at::Tensor svdq_gemm_w4a4_out_meta(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales,
@@ -228,8 +230,8 @@ at::Tensor svdq_gemm_w4a4_out_meta(const at::Tensor& act, const at::Tensor& wgt,
 
 std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_meta(const at::Tensor& input) {
   check_quantize_wgt(input, nullptr, nullptr);
-  const c10::SymInt n = input.sym_size(0), k = input.sym_size(1);
-  return {empty_meta({n, k / 2}, input, at::kChar), empty_meta({k / kGroup, n}, input, input.scalar_type())};
+  const WgtQuantShapes shapes = wgt_quant_shapes(input);
+  return {new_output(shapes.output, input, at::kChar), new_output(shapes.oscales, input, input.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_out_meta(const at::Tensor& input, at::Tensor& output,

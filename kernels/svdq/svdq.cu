@@ -6,7 +6,6 @@
 // (__fmul_rn, __fadd_rn, __fdiv_rn): no FMA contraction where the reference
 // rounds twice.
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
@@ -259,10 +258,6 @@ void quantize_wgt_launcher(const at::Tensor& input, at::Tensor& output, at::Tens
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor empty_of(std::initializer_list<int64_t> shape, const at::Tensor& like, at::ScalarType dtype) {
-  return at::empty(shape, like.options().dtype(dtype));
-}
-
 }  // namespace
 
 // ---- entry points ------------------------------------------------------------------------------------------
@@ -277,11 +272,10 @@ ActQuant svdq_quantize_w4a4_act_fuse_lora_out(const at::Tensor& input, const Opt
 ActQuant svdq_quantize_w4a4_act_fuse_lora(const at::Tensor& input, const OptTensor& lora_down,
                                           const OptTensor& smooth, bool fuse_glu, bool fp4, int64_t pad_size) {
   check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, nullptr);
-  const int64_t k = input.size(1), m_pad = padded_rows(input, pad_size).expect_int();
-  const int64_t rank = lora_down ? lora_down->size(1) : 0;
-  at::Tensor output = empty_of({m_pad, k / 2}, input, at::kByte);
-  at::Tensor oscales = empty_of({k / kGroup, m_pad}, input, input.scalar_type());
-  at::Tensor lora_act_out = empty_of({m_pad, rank}, input, at::kFloat);
+  const ActQuantShapes shapes = act_quant_shapes(input, lora_down, pad_size);
+  at::Tensor output = new_output(shapes.output, input, at::kByte);
+  at::Tensor oscales = new_output(shapes.oscales, input, input.scalar_type());
+  at::Tensor lora_act_out = new_output(shapes.lora_act_out, input, at::kFloat);
   quantize_act_launcher(input, lora_down, smooth, fuse_glu, fp4, pad_size, output, oscales, lora_act_out);
   return {output, oscales, lora_act_out};
 }
@@ -301,7 +295,7 @@ at::Tensor svdq_gemm_w4a4(const at::Tensor& act, const at::Tensor& wgt, const at
                           bool act_unsigned, int64_t out_dtype_id) {
   check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
              out_dtype_id, nullptr);
-  at::Tensor out = empty_of({act.size(0), wgt.size(0)}, act, gemm_out_dtype(out_dtype_id));
+  at::Tensor out = new_output(gemm_out_shape(act, wgt), act, gemm_out_dtype(out_dtype_id));
   gemm_launcher(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
                 out_dtype_id, out);
   return out;
@@ -315,9 +309,9 @@ std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_out(const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt(const at::Tensor& input) {
   check_quantize_wgt(input, nullptr, nullptr);
-  const int64_t n = input.size(0), k = input.size(1);
-  at::Tensor output = empty_of({n, k / 2}, input, at::kChar);
-  at::Tensor oscales = empty_of({k / kGroup, n}, input, input.scalar_type());
+  const WgtQuantShapes shapes = wgt_quant_shapes(input);
+  at::Tensor output = new_output(shapes.output, input, at::kChar);
+  at::Tensor oscales = new_output(shapes.oscales, input, input.scalar_type());
   quantize_wgt_launcher(input, output, oscales);
   return {output, oscales};
 }

@@ -39,6 +39,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 namespace cache_dit::svdq {
 
@@ -63,8 +64,20 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
                 int64_t out_dtype_id, const at::Tensor* out);
 void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const at::Tensor* oscales);
 
-// Output geometry (inputs already checked).
-c10::SymInt padded_rows(const at::Tensor& input, int64_t pad_size);
+// Output geometry (inputs already checked), for the checks, the Meta kernels
+// and the functional forms alike.
+struct ActQuantShapes {
+  std::vector<c10::SymInt> output, oscales, lora_act_out;
+};
+ActQuantShapes act_quant_shapes(const at::Tensor& input, const std::optional<at::Tensor>& lora_down,
+                                int64_t pad_size);
+struct WgtQuantShapes {
+  std::vector<c10::SymInt> output, oscales;
+};
+WgtQuantShapes wgt_quant_shapes(const at::Tensor& input);
+std::vector<c10::SymInt> gemm_out_shape(const at::Tensor& act, const at::Tensor& wgt);
 at::ScalarType gemm_out_dtype(int64_t out_dtype_id);
+// A contiguous output of `shape` on `like`'s device (Meta or CUDA).
+at::Tensor new_output(const std::vector<c10::SymInt>& shape, const at::Tensor& like, at::ScalarType dtype);
 
 }  // namespace cache_dit::svdq
