@@ -32,6 +32,12 @@ K_ALIGN = 128       # the GEMM's main loop takes two K-groups at a time
 RANK_ALIGN = 16     # LoRA rank granularity (one 16 x 16 fragment tile)
 QMIN, QMAX = -8, 7
 
+def _unpermute(t: torch.Tensor, logical: tuple[int, ...], order: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of ``x.reshape(logical).permute(order)``: ``t`` holds that layout; returns ``logical``'s."""
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return t.reshape([logical[o] for o in order]).permute(*inverse)
+
+
 # ---- qweight: [N, K] int in [-8, 7]  <->  [N, K/2] int8 ------------------------------------------------
 #
 # Tiles of BLOCK_N (n) x GROUP (k), n-tile major. Inside a tile, 32-bit words in the order
@@ -67,15 +73,12 @@ def unpack_qweight(packed: torch.Tensor) -> torch.Tensor:
     n, half_k = packed.shape
     k = 2 * half_k
     _check_qweight_shape(n, k)
-    words = packed.contiguous().view(torch.int32).to(torch.int64).bitwise_and(0xFFFFFFFF)
-    words = words.reshape(n // BLOCK_N, k // GROUP, 8, 8, 4, 2, 2, 1)
+    words = packed.contiguous().view(torch.int32).to(torch.int64).bitwise_and(0xFFFFFFFF).reshape(-1, 1)
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
     nibbles = (words >> shifts).bitwise_and(0xF)
     signed = torch.where(nibbles >= 8, nibbles - 16, nibbles)
-    inverse = [0] * 8
-    for dst, src in enumerate(_W_ORDER):
-        inverse[src] = dst
-    return signed.permute(*inverse).reshape(n, k).to(torch.int8)
+    logical = (n // BLOCK_N, *_W_SPLIT, k // GROUP, *_W_KSPLIT)
+    return _unpermute(signed, logical, _W_ORDER).reshape(n, k).to(torch.int8)
 
 
 # ---- wscales [N, K/64] and per-channel vectors [N]  <->  the kernel's lane order -------------------------
@@ -107,8 +110,8 @@ def unpack_wscales(packed: torch.Tensor) -> torch.Tensor:
     groups, n = packed.shape
     if n % BLOCK_N:
         raise ValueError(f"wscales: N={n} must be a multiple of {BLOCK_N}")
-    t = packed.contiguous().view(n // BLOCK_N, groups, 8, 4, 2, 2)  # [block, group, j, i, a, b]
-    return t.permute(0, 2, 4, 3, 5, 1).reshape(n, groups)
+    logical = (n // BLOCK_N, *_S_SPLIT, groups)
+    return _unpermute(packed.contiguous(), logical, _S_ORDER).reshape(n, groups)
 
 
 def pack_channel_vector(v: torch.Tensor) -> torch.Tensor:
@@ -139,8 +142,7 @@ def _tiles_to_fragments(tiles: torch.Tensor) -> torch.Tensor:
 
 def _fragments_to_tiles(frags: torch.Tensor) -> torch.Tensor:
     ct, rt = frags.shape[:2]
-    t = frags.reshape(ct, rt, 8, 4, 2, 2, 2)  # [ct, rt, n_lane, k_lane, n_half, k_half, e]
-    return t.permute(0, 1, 4, 2, 5, 3, 6).reshape(ct, rt, 16, 16)
+    return _unpermute(frags, (ct, rt, *_L_SPLIT, *_L_CSPLIT), _L_ORDER).reshape(ct, rt, 16, 16)
 
 
 def pack_lowrank(weight: torch.Tensor, down: bool) -> torch.Tensor:

@@ -5,6 +5,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+
 #include "kernels/common/checks.h"
 #include "kernels/ops.h"
 
@@ -42,6 +44,18 @@ void check_vector(const char* op, const char* name, const at::Tensor& v, const c
   checks::check_dtype(op, name, v, dtype);
   checks::check_contiguous(op, name, v);
   checks::check_same_device(op, ref, ref_name, {{name, &v}});
+}
+
+// A packed low-rank factor [channels, R] (proj_down [K, R], proj_up [N, R]):
+// its leading dim `channels`, R a multiple of 16, the model dtype, contiguous.
+void check_lowrank(const char* op, const char* name, const char* layout, const char* dim, const at::Tensor& t,
+                   const c10::SymInt& channels, at::ScalarType dtype) {
+  checks::check_dims(op, name, t, 2, layout);
+  TORCH_CHECK_VALUE(t.sym_size(0) == channels, op, ": ", name, " must be [", dim, ", R] with ", dim, " = ", channels,
+                    ", got shape ", shape_str(t.sym_sizes()));
+  check_multiple(op, (std::string("R (") + name + ".shape[1])").c_str(), t.sym_size(1), kRankAlign, t);
+  checks::check_dtype(op, name, t, dtype);
+  checks::check_contiguous(op, name, t);
 }
 
 }  // namespace
@@ -84,14 +98,8 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
   const at::ScalarType dtype = input.scalar_type();
   const c10::SymInt k = input.sym_size(1);
   if (lora_down) {
-    const at::Tensor& d = *lora_down;
-    checks::check_dims(op, "lora_down", d, 2, "[K, R] (packed proj_down)");
-    TORCH_CHECK_VALUE(d.sym_size(0) == k, op, ": lora_down must be [K, R] with K = ", k, ", got shape ",
-                      shape_str(d.sym_sizes()));
-    check_multiple(op, "R (lora_down.shape[1])", d.sym_size(1), kRankAlign, d);
-    checks::check_dtype(op, "lora_down", d, dtype);
-    checks::check_contiguous(op, "lora_down", d);
-    checks::check_same_device(op, input, "input", {{"lora_down", &d}});
+    check_lowrank(op, "lora_down", "[K, R] (packed proj_down)", "K", *lora_down, k, dtype);
+    checks::check_same_device(op, input, "input", {{"lora_down", &*lora_down}});
   }
   if (smooth) check_vector(op, "smooth", *smooth, k, dtype, input, "input");
   if (outs) {
@@ -148,12 +156,7 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
   if (lora_up) {
     const at::Tensor& up = *lora_up;
     const at::Tensor& la = *lora_act_in;
-    checks::check_dims(op, "lora_up", up, 2, "[N, R] (packed proj_up)");
-    TORCH_CHECK_VALUE(up.sym_size(0) == n, op, ": lora_up must be [N, R] with N = ", n, ", got shape ",
-                      shape_str(up.sym_sizes()));
-    check_multiple(op, "R (lora_up.shape[1])", up.sym_size(1), kRankAlign, up);
-    checks::check_dtype(op, "lora_up", up, dtype);
-    checks::check_contiguous(op, "lora_up", up);
+    check_lowrank(op, "lora_up", "[N, R] (packed proj_up)", "N", up, n, dtype);
     checks::check_dims(op, "lora_act_in", la, 2, "[M_pad, R]");
     TORCH_CHECK_VALUE(la.sym_size(0) == m_pad && la.sym_size(1) == up.sym_size(1), op,
                       ": lora_act_in must be [", m_pad, ", ", up.sym_size(1), "], got shape ",
@@ -185,11 +188,17 @@ void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const
   }
 }
 
+namespace {
+
+// A contiguous output of `shape` on `like`'s device (Meta or CUDA).
 at::Tensor new_output(const std::vector<c10::SymInt>& shape, const at::Tensor& like, at::ScalarType dtype) {
   return at::empty_symint(shape, like.options().dtype(dtype));
 }
 
+}  // namespace
+
 // ---- Meta kernels: the same checks, contiguous outputs, no launch ------------------------------------------
+// (The functional CUDA forms call them too: they allocate on the inputs' device.)
 
 ActQuant svdq_quantize_w4a4_act_fuse_lora_meta(const at::Tensor& input, const OptTensor& lora_down,
                                                const OptTensor& smooth, bool fuse_glu, bool fp4,

@@ -271,11 +271,9 @@ ActQuant svdq_quantize_w4a4_act_fuse_lora_out(const at::Tensor& input, const Opt
 
 ActQuant svdq_quantize_w4a4_act_fuse_lora(const at::Tensor& input, const OptTensor& lora_down,
                                           const OptTensor& smooth, bool fuse_glu, bool fp4, int64_t pad_size) {
-  check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, nullptr);
-  const ActQuantShapes shapes = act_quant_shapes(input, lora_down, pad_size);
-  at::Tensor output = new_output(shapes.output, input, at::kByte);
-  at::Tensor oscales = new_output(shapes.oscales, input, input.scalar_type());
-  at::Tensor lora_act_out = new_output(shapes.lora_act_out, input, at::kFloat);
+  // The Meta kernel checks and allocates the outputs, on the input's device.
+  auto [output, oscales, lora_act_out] =
+      svdq_quantize_w4a4_act_fuse_lora_meta(input, lora_down, smooth, fuse_glu, fp4, pad_size);
   quantize_act_launcher(input, lora_down, smooth, fuse_glu, fp4, pad_size, output, oscales, lora_act_out);
   return {output, oscales, lora_act_out};
 }
@@ -293,9 +291,8 @@ at::Tensor svdq_gemm_w4a4(const at::Tensor& act, const at::Tensor& wgt, const at
                           const at::Tensor& wscales, const OptTensor& lora_act_in, const OptTensor& lora_up,
                           const OptTensor& bias, bool fp4, double alpha, const OptTensor& wcscales,
                           bool act_unsigned, int64_t out_dtype_id) {
-  check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
-             out_dtype_id, nullptr);
-  at::Tensor out = new_output(gemm_out_shape(act, wgt), act, gemm_out_dtype(out_dtype_id));
+  at::Tensor out = svdq_gemm_w4a4_meta(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales,
+                                       act_unsigned, out_dtype_id);
   gemm_launcher(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
                 out_dtype_id, out);
   return out;
@@ -308,10 +305,7 @@ std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt_out(const at::Tensor& 
 }
 
 std::tuple<at::Tensor, at::Tensor> svdq_quantize_w4a4_wgt(const at::Tensor& input) {
-  check_quantize_wgt(input, nullptr, nullptr);
-  const WgtQuantShapes shapes = wgt_quant_shapes(input);
-  at::Tensor output = new_output(shapes.output, input, at::kChar);
-  at::Tensor oscales = new_output(shapes.oscales, input, input.scalar_type());
+  auto [output, oscales] = svdq_quantize_w4a4_wgt_meta(input);
   quantize_wgt_launcher(input, output, oscales);
   return {output, oscales};
 }

@@ -77,7 +77,5 @@ struct WgtQuantShapes {
 WgtQuantShapes wgt_quant_shapes(const at::Tensor& input);
 std::vector<c10::SymInt> gemm_out_shape(const at::Tensor& act, const at::Tensor& wgt);
 at::ScalarType gemm_out_dtype(int64_t out_dtype_id);
-// A contiguous output of `shape` on `like`'s device (Meta or CUDA).
-at::Tensor new_output(const std::vector<c10::SymInt>& shape, const at::Tensor& like, at::ScalarType dtype);
 
 }  // namespace cache_dit::svdq

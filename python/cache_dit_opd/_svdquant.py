@@ -86,6 +86,17 @@ def _check_vector(op, name, v, n, dtype, ref, ref_name):
     _checks.check_same_device(op, ref, ref_name, [(name, v)])
 
 
+def _check_lowrank(op, name, layout, dim, t, channels, dtype):
+    """check_lowrank: a packed factor [channels, R], R a multiple of 16, the model dtype, contiguous."""
+    _checks.check_dims(op, name, t, 2, layout)
+    if t.shape[0] != channels:
+        raise ValueError(f"{op}: {name} must be [{dim}, R] with {dim} = {channels}, got shape "
+                         f"{_checks.shape_str(t.shape)}")
+    _check_multiple(op, f"R ({name}.shape[1])", t.shape[1], _RANK_ALIGN, t)
+    _checks.check_dtype(op, name, t, dtype)
+    _checks.check_contiguous(op, name, t)
+
+
 def _padded_rows(m, pad_size):
     return (m + pad_size - 1) // pad_size * pad_size
 
@@ -103,13 +114,7 @@ def _act_meta(input, lora_down, smooth, fuse_glu, fp4, pad_size, outs=None):
         raise ValueError(f"{op}: pad_size must be >= 1, got {pad_size}")
     dtype, k, rank = input.dtype, input.shape[1], 0
     if lora_down is not None:
-        _checks.check_dims(op, "lora_down", lora_down, 2, "[K, R] (packed proj_down)")
-        if lora_down.shape[0] != k:
-            raise ValueError(f"{op}: lora_down must be [K, R] with K = {k}, got shape "
-                             f"{_checks.shape_str(lora_down.shape)}")
-        _check_multiple(op, "R (lora_down.shape[1])", lora_down.shape[1], _RANK_ALIGN, lora_down)
-        _checks.check_dtype(op, "lora_down", lora_down, dtype)
-        _checks.check_contiguous(op, "lora_down", lora_down)
+        _check_lowrank(op, "lora_down", "[K, R] (packed proj_down)", "K", lora_down, k, dtype)
         _checks.check_same_device(op, input, "input", [("lora_down", lora_down)])
         rank = lora_down.shape[1]
     if smooth is not None:
@@ -163,12 +168,7 @@ def _gemm_meta(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alph
         got = "lora_act_in without lora_up" if lora_act_in is not None else "lora_up without lora_act_in"
         raise ValueError(f"{op}: lora_act_in and lora_up come together (both or neither), got {got}")
     if lora_up is not None:
-        _checks.check_dims(op, "lora_up", lora_up, 2, "[N, R] (packed proj_up)")
-        if lora_up.shape[0] != n:
-            raise ValueError(f"{op}: lora_up must be [N, R] with N = {n}, got shape {_checks.shape_str(lora_up.shape)}")
-        _check_multiple(op, "R (lora_up.shape[1])", lora_up.shape[1], _RANK_ALIGN, lora_up)
-        _checks.check_dtype(op, "lora_up", lora_up, dtype)
-        _checks.check_contiguous(op, "lora_up", lora_up)
+        _check_lowrank(op, "lora_up", "[N, R] (packed proj_up)", "N", lora_up, n, dtype)
         _checks.check_dims(op, "lora_act_in", lora_act_in, 2, "[M_pad, R]")
         if lora_act_in.shape[0] != m_pad or lora_act_in.shape[1] != lora_up.shape[1]:
             raise ValueError(f"{op}: lora_act_in must be [{m_pad}, {lora_up.shape[1]}], got shape "
