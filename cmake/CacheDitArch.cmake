@@ -108,8 +108,8 @@ endfunction()
 
 function(cache_dit_resolve_families archs)
   # The merge and FP8 kernels use the sm_89 FP8 conversions (cvt.*.e4m3x2);
-  # the W4A4 kernels need sm_80 (INT4 mma.sync where native, INT8 and dp4a
-  # elsewhere: docs/DESIGN.md section 8).
+  # the W4A4 kernels need sm_80 (mma.sync on the model dtype for LoRA; FP8
+  # wgmma on sm_90a, CUDA cores elsewhere: docs/DESIGN.md section 8).
   _cache_dit_gate(attn "${CACHE_DIT_BUILD_ATTN}" "${archs}" 89 attn_archs attn_on)
   _cache_dit_gate(comm "${CACHE_DIT_BUILD_COMM}" "${archs}" 89 comm_archs comm_on)
   _cache_dit_gate(svdq "${CACHE_DIT_BUILD_SVDQUANT}" "${archs}" 80 svdq_archs svdq_on)
@@ -125,8 +125,10 @@ function(cache_dit_resolve_families archs)
   if(svdq_on)
     foreach(a IN LISTS svdq_archs)
       _cache_dit_sm_number("${a}" n)
-      if(n GREATER_EQUAL 90)
-        message(STATUS "cache-dit-opd: svdq: sm_${a}: INT4 data on INT8 arithmetic (INT4 mma is emulated there)")
+      if(a STREQUAL "90a")
+        message(STATUS "cache-dit-opd: svdq: sm_90a: INT4 values on FP8 e4m3 wgmma (kernels/svdq/gemm_sm90.h)")
+      elseif(n GREATER_EQUAL 90)
+        message(STATUS "cache-dit-opd: svdq: sm_${a}: the portable CUDA-core GEMM (INT4 mma is emulated there)")
       endif()
     endforeach()
   endif()

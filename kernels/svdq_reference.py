@@ -12,8 +12,8 @@ The executable form of docs/DESIGN.md section 8 for the svdq family, in three pa
   even. Two references of the whole linear: ``linear_ideal`` (fp32 on dequantized operands, for
   accuracy) and ``linear_faithful`` (what this project's kernels compute: smoothed input rounded to the
   model dtype, scales stored rounded but applied through the fp32 reciprocal, exact int32 group dot
-  products, groups accumulated in fp32 in order, bias, LoRA from the raw input in fp32 with
-  ``lora_act`` rounded to the model dtype, one final rounding).
+  products, groups accumulated in fp32 in order (one fused multiply-add each), bias, LoRA from the raw
+  input in fp32 with ``lora_act`` rounded to the model dtype, one final rounding).
 - **An offline quantizer** (``quantize_linear``): smoothing, rank-R SVD split, residual INT4 per 64-group,
   LoRA-down divided by the smoothing, packing, into nunchaku's state-dict keys. The only source of test
   weights here (no model can be downloaded).
@@ -226,6 +226,23 @@ def _lora(x, down, up, lora_scales, dtype, faithful):
     return act @ up.float().t()
 
 
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once, as the GPU's FFMA: the product is exact in fp64 (24 + 24 bits), the fp64
+    sum's error e comes from TwoSum, and rounding the sum to fp32 is corrected where the sum sits exactly
+    halfway between two fp32 values and e breaks the tie the other way."""
+    p = a.double() * b.double()
+    c64 = c.double().expand_as(p)
+    s = p + c64
+    bb = s - p
+    e = (p - (s - bb)) + (c64 - bb)
+    r = s.float()
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    down = torch.nextafter(r, torch.full_like(r, float("-inf")))
+    r = torch.where((s == (r.double() + up.double()) / 2) & (e > 0), up, r)
+    r = torch.where((s == (r.double() + down.double()) / 2) & (e < 0), down, r)
+    return r
+
+
 def linear_faithful(x, q_w, wscales, smooth=None, down=None, up=None, bias=None, lora_scales=None,
                     out_dtype=None) -> torch.Tensor:
     """What the kernels compute, from logical (unpacked) tensors: x [M, K] model dtype, q_w [N, K], wscales
@@ -238,9 +255,9 @@ def linear_faithful(x, q_w, wscales, smooth=None, down=None, up=None, bias=None,
     gx = q_x.to(torch.int32).reshape(m, k // GROUP, GROUP)
     gw = q_w.to(torch.int32).reshape(n, k // GROUP, GROUP)
     acc = torch.zeros(m, n, dtype=torch.float32)
-    for g in range(k // GROUP):  # exact int32 dot per group, then one fp32 multiply-add per group, in order
+    for g in range(k // GROUP):  # per group, in order: acc = fma(dot * as, ws, acc); dot * as is exact in fp32
         dot = (gx[:, g, :].to(torch.int64) @ gw[:, g, :].to(torch.int64).t()).to(torch.float32)
-        acc = acc + dot * (ascales[:, g].float().unsqueeze(1) * wscales[:, g].float().unsqueeze(0))
+        acc = fma_f32(dot * ascales[:, g].float().unsqueeze(1), wscales[:, g].float().unsqueeze(0), acc)
     if bias is not None:
         acc = acc + bias.float()
     if up is not None:

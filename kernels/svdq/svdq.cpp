@@ -65,7 +65,7 @@ ActQuantShapes act_quant_shapes(const at::Tensor& input, const std::optional<at:
   const c10::SymInt m_pad = (input.sym_size(0) + pad_size - 1) / pad_size * pad_size;
   const c10::SymInt k = input.sym_size(1);
   const c10::SymInt rank = lora_down ? lora_down->sym_size(1) : c10::SymInt(0);
-  return {{m_pad, k / 2}, {k / kGroup, m_pad}, {m_pad, rank}};
+  return {{m_pad, k}, {k / kGroup, m_pad}, {m_pad, rank}};
 }
 
 WgtQuantShapes wgt_quant_shapes(const at::Tensor& input) {
@@ -106,7 +106,7 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
     const ActQuantShapes shapes = act_quant_shapes(input, lora_down, pad_size);
     const at::Tensor* d = lora_down ? &*lora_down : &input;
     const at::Tensor* s = smooth ? &*smooth : &input;
-    checks::check_output(op, "output", *outs->output, shapes.output, at::kByte, input, {&input, d, s});
+    checks::check_output(op, "output", *outs->output, shapes.output, kActDtype, input, {&input, d, s});
     checks::check_output(op, "oscales", *outs->oscales, shapes.oscales, dtype, input, {&input, d, s, outs->output});
     checks::check_output(op, "lora_act_out", *outs->lora_act_out, shapes.lora_act_out, at::kFloat, input,
                          {&input, d, s, outs->output, outs->oscales});
@@ -124,19 +124,19 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
   TORCH_CHECK_VALUE(!wcscales, op, ": wcscales must be None for INT4 (it scales NVFP4 only)");
   const at::ScalarType out_dtype = gemm_out_dtype(out_dtype_id);
   check_device(op, "act", act);
-  checks::check_dims(op, "act", act, 2, "[M_pad, K/2] (from svdq_quantize_w4a4_act_fuse_lora)");
-  checks::check_dtype(op, "act", act, at::kByte);
+  checks::check_dims(op, "act", act, 2, "[M_pad, K] (from svdq_quantize_w4a4_act_fuse_lora)");
+  checks::check_dtype(op, "act", act, kActDtype);
   checks::check_contiguous(op, "act", act);
   checks::check_dims(op, "wgt", wgt, 2, "[N, K/2] (packed qweight)");
   checks::check_dtype(op, "wgt", wgt, at::kChar);
   checks::check_contiguous(op, "wgt", wgt);
   const c10::SymInt m_pad = act.sym_size(0);
-  const c10::SymInt k = act.sym_size(1) * 2;
+  const c10::SymInt k = act.sym_size(1);
   const c10::SymInt n = wgt.sym_size(0);
-  TORCH_CHECK_VALUE(wgt.sym_size(1) == act.sym_size(1), op, ": wgt must be [N, K/2] with K/2 = ", act.sym_size(1),
+  TORCH_CHECK_VALUE(wgt.sym_size(1) * 2 == k, op, ": wgt must be [N, K/2] with K = ", k,
                     " as in act, got wgt shape ", shape_str(wgt.sym_sizes()), " and act shape ",
                     shape_str(act.sym_sizes()));
-  check_multiple(op, "K (2 * act.shape[1])", k, kKAlign, act);
+  check_multiple(op, "K (act.shape[1])", k, kKAlign, act);
   check_multiple(op, "N (wgt.shape[0])", n, kBlockN, wgt);
   checks::check_dims(op, "wscales", wscales, 2, "[K/64, N] (packed)");
   checks::check_dtype_in(op, "wscales", wscales, {at::kHalf, at::kBFloat16});
@@ -180,7 +180,7 @@ void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const
   checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
   checks::check_contiguous(op, "input", input);
   check_multiple(op, "N (input.shape[0])", input.sym_size(0), kBlockN, input);
-  check_multiple(op, "K (input.shape[1])", input.sym_size(1), kGroup, input);
+  check_multiple(op, "K (input.shape[1])", input.sym_size(1), kKAlign, input);
   if (output) {
     const WgtQuantShapes shapes = wgt_quant_shapes(input);
     checks::check_output(op, "output", *output, shapes.output, at::kChar, input, {&input});
@@ -205,7 +205,7 @@ ActQuant svdq_quantize_w4a4_act_fuse_lora_meta(const at::Tensor& input, const Op
                                                int64_t pad_size) {
   check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, nullptr);
   const ActQuantShapes shapes = act_quant_shapes(input, lora_down, pad_size);
-  return {new_output(shapes.output, input, at::kByte), new_output(shapes.oscales, input, input.scalar_type()),
+  return {new_output(shapes.output, input, kActDtype), new_output(shapes.oscales, input, input.scalar_type()),
           new_output(shapes.lora_act_out, input, at::kFloat)};
 }
 

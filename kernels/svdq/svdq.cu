@@ -1,16 +1,23 @@
 // SVDQuant W4A4 kernels, launchers and entry points (kernels/svdq/svdq.h has
-// the contracts). This is the first, simple generation: every output a
-// thread or a warp of plain CUDA-core code (dp4a for the int8 dots), written
-// to be obviously equal to kernels/svdq_reference.py, against which the
-// tensor-core GEMM that follows is checked. Each rounding is explicit
-// (__fmul_rn, __fadd_rn, __fdiv_rn): no FMA contraction where the reference
-// rounds twice.
+// the contracts). The quantizers, and the portable GEMM that every target
+// but sm_90a runs (kernels/svdq/gemm_sm90.cu is the tensor-core one): plain
+// CUDA-core code, one thread or warp per output, written to be obviously
+// equal to kernels/svdq_reference.py. Each rounding is explicit (__fmul_rn,
+// __fmaf_rn, __fdiv_rn): no contraction the reference does not make.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <cuda_fp8.h>
+
+#include <cstdlib>
+#include <cstring>
+
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/ops.h"
+#include "kernels/svdq/gemm_sm90.h"
+#include "kernels/svdq/layouts.cuh"
+#include "kernels/svdq/mma.cuh"
 #include "kernels/svdq/svdq.h"
 
 namespace cache_dit::svdq {
@@ -22,43 +29,9 @@ using cuda::to_float;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = 8;  // warps per block of the warp-per-group kernels
 
-// ---- packed positions (the same permutations as kernels/svdq_reference.py) -------------------------------
-
-// wscales [G, N] / per-channel vectors [N] (groups = 1): column n of its
-// 128-wide block sits at lane 4 j + i, slot 2 a + b, where n % 128 = 16 j + 8 a + 2 i + b.
-__device__ __forceinline__ int64_t scale_pos(int64_t n, int64_t g, int64_t groups) {
-  const int64_t c = n % 128;
-  const int64_t j = c / 16, a = (c / 8) % 2, i = (c / 2) % 4, b = c % 2;
-  return (((n / 128) * groups + g) * 32 + j * 4 + i) * 4 + a * 2 + b;
-}
-
-// qweight: the int32 word holding k .. k + 7 (k % 8 == 0) of row n.
-__device__ __forceinline__ int64_t qweight_word(int64_t n, int64_t k, int64_t k_tiles) {
-  const int64_t c = n % 128, kk = k % 64;
-  const int64_t n_pack = c / 16, n_half = (c / 8) % 2, n_lane = c % 8;
-  const int64_t k_half = kk / 32, k_lane = (kk / 8) % 4;
-  return (((((n / 128) * k_tiles + k / 64) * 8 + n_pack) * 8 + n_lane) * 4 + k_lane) * 2 * 2 + n_half * 2 + k_half;
-}
-
-// proj_down [K, R] (down: logical (rank r, channel c)) and proj_up [N, R]
-// (logical (channel c, rank r)): 16 x 16 tiles of mma B fragments.
-__device__ __forceinline__ int64_t lowrank_pos(int64_t c, int64_t r, int64_t rank, bool down) {
-  const int64_t row = down ? r % 16 : c % 16, col = down ? c % 16 : r % 16;
-  const int64_t n_half = row / 8, n_lane = row % 8, k_half = col / 8, k_lane = (col % 8) / 2, e = col % 2;
-  return ((c / 16) * (rank / 16) + r / 16) * 256 + (((n_lane * 4 + k_lane) * 2 + n_half) * 2 + k_half) * 2 + e;
-}
-
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
-}
-
-// Four signed nibbles per byte pair -> the int8 dot of two words of 8 values.
-__device__ __forceinline__ int dot8(uint32_t a, uint32_t w) {
-  auto lo = [](uint32_t v) { return __vsub4((v & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u); };
-  auto hi = [](uint32_t v) { return __vsub4(((v >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u, 0x08080808u); };
-  return __dp4a(static_cast<int>(lo(a)), static_cast<int>(lo(w)), __dp4a(static_cast<int>(hi(a)),
-                                                                            static_cast<int>(hi(w)), 0));
 }
 
 __device__ __forceinline__ int clamp_q(int q) { return max(-8, min(7, q)); }
@@ -89,24 +62,53 @@ __global__ void quantize_act_kernel(const T* __restrict__ x, const T* __restrict
   const float recip = scale == 0.f ? 0.f : __frcp_rn(scale);
   const int q0 = clamp_q(__float2int_rn(__fmul_rn(v[0], recip)));
   const int q1 = clamp_q(__float2int_rn(__fmul_rn(v[1], recip)));
-  q[m * (k_dim / 2) + g * 32 + lane] = static_cast<uint8_t>((q0 & 0xF) | ((q1 & 0xF) << 4));
+  // e4m3 codes of q0, q1 (exact): k and k + 1 of row m
+  const __nv_fp8x2_storage_t codes =
+      __nv_cvt_float2_to_fp8x2(make_float2(static_cast<float>(q0), static_cast<float>(q1)), __NV_SATFINITE, __NV_E4M3);
+  reinterpret_cast<__nv_fp8x2_storage_t*>(q)[(m * k_dim + k) / 2] = codes;
   if (lane == 0) scales[g * m_pad + m] = from_float<T>(scale);
 }
 
-// lora_act[m, r] = sum_k x[m, k] * down[r, k] in fp32 (rows >= m_rows: 0).
+// lora_act[m, r] = sum_k x[m, k] * down[r, k], fp32 accumulators on tensor
+// cores (m16n8k16 on T). A block takes 16 rows; its 8 warps split K in
+// contiguous eighths and add their partial sums in warp order (deterministic).
+// Rows >= m_rows read as 0. The packed proj_down is the MMA's B fragments.
+constexpr int kDownWarps = 8;
 template <typename T>
-__global__ void lora_down_kernel(const T* __restrict__ x, const T* __restrict__ down, float* __restrict__ act,
-                                 int64_t m_rows, int64_t m_pad, int64_t k_dim, int64_t rank) {
-  const int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (idx >= m_pad * rank) return;
-  const int64_t m = idx / rank, r = idx % rank;
-  float acc = 0.f;
-  if (m < m_rows) {
-    for (int64_t k = 0; k < k_dim; ++k) {
-      acc = fmaf(to_float(x[m * k_dim + k]), to_float(down[lowrank_pos(k, r, rank, true)]), acc);
+__global__ void __launch_bounds__(32 * kDownWarps) lora_down_kernel(const T* __restrict__ x, const T* __restrict__ down,
+                                                                  float* __restrict__ act, int64_t m_rows,
+                                                                  int64_t m_pad, int64_t k_dim, int64_t rank) {
+  __shared__ float partial[kDownWarps][16][16];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t m0 = int64_t{blockIdx.x} * 16;
+  const int64_t steps = k_dim / 16, per_warp = (steps + kDownWarps - 1) / kDownWarps;
+  const int64_t s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
+  const T* rows[2] = {m0 + g < m_rows ? x + (m0 + g) * k_dim : nullptr,
+                      m0 + g + 8 < m_rows ? x + (m0 + g + 8) * k_dim : nullptr};
+  auto pair = [](const T* row, int64_t k) {
+    return row == nullptr ? 0u : *reinterpret_cast<const uint32_t*>(row + k);
+  };
+  for (int64_t rt = 0; rt < rank / 16; ++rt) {
+    float d[8] = {};
+    for (int64_t st = s_begin; st < s_end; ++st) {
+      const int64_t k0 = st * 16;
+      const uint32_t a[4] = {pair(rows[0], k0 + 2 * t), pair(rows[1], k0 + 2 * t), pair(rows[0], k0 + 2 * t + 8),
+                             pair(rows[1], k0 + 2 * t + 8)};
+      const uint4 b = *reinterpret_cast<const uint4*>(down + (st * (rank / 16) + rt) * 256 + lane * 8);
+      mma_16816<T>(d[0], d[1], d[2], d[3], a, b.x, b.y);  // ranks 16 rt + 0..7
+      mma_16816<T>(d[4], d[5], d[6], d[7], a, b.z, b.w);  // ranks 16 rt + 8..15
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) partial[warp][g + 8 * ((i / 2) % 2)][(i / 4) * 8 + 2 * t + i % 2] = d[i];
+    __syncthreads();
+    for (int e = threadIdx.x; e < 256; e += blockDim.x) {
+      const int r = e / 16, c = e % 16;
+      float sum = 0.f;
+      for (int w = 0; w < kDownWarps; ++w) sum += partial[w][r][c];
+      if (m0 + r < m_pad) act[(m0 + r) * rank + rt * 16 + c] = sum;
+    }
+    __syncthreads();
   }
-  act[idx] = acc;
 }
 
 // One warp per (row n, 64-group): offline numerics (fp32, scale = amax / 7
@@ -136,8 +138,8 @@ __global__ void quantize_wgt_kernel(const T* __restrict__ w, int32_t* __restrict
   if (lane == 0) scales[scale_pos(n, g, groups)] = stored;
 }
 
-// One thread per output: sum over groups of (exact int dot) * (as * ws) in
-// fp32, in group order, then bias, then LoRA-up (lora_act rounded to T).
+// One thread per output: over groups in order, acc = fma(dot * as, ws, acc)
+// (dot * as is exact), then bias, then LoRA-up (lora_act rounded to T).
 template <typename T, typename Out>
 __global__ void gemm_kernel(const uint8_t* __restrict__ act, const int32_t* __restrict__ wgt,
                             const T* __restrict__ ascales, const T* __restrict__ wscales,
@@ -147,15 +149,19 @@ __global__ void gemm_kernel(const uint8_t* __restrict__ act, const int32_t* __re
   const int64_t m = int64_t{blockIdx.y} * 16 + threadIdx.y;
   if (m >= m_pad || n >= n_cols) return;
   const int64_t groups = k_dim / 64;
-  const auto* row = reinterpret_cast<const uint32_t*>(act + m * (k_dim / 2));
+  const uint8_t* row = act + m * k_dim;
   float acc = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
     int dot = 0;
     for (int t = 0; t < 8; ++t) {
-      dot += dot8(row[g * 8 + t], static_cast<uint32_t>(wgt[qweight_word(n, g * 64 + 8 * t, groups)]));
+      const auto w = static_cast<uint32_t>(wgt[qweight_word(n, g * 64 + 8 * t, groups)]);
+      for (int e = 0; e < 8; ++e) {
+        const int qw = static_cast<int>(w << (28 - 4 * e)) >> 28;  // nibble e, sign-extended
+        dot += qw * int4_of_e4m3(row[g * 64 + 8 * t + e]);
+      }
     }
-    const float sc = __fmul_rn(to_float(ascales[g * m_pad + m]), to_float(wscales[scale_pos(n, g, groups)]));
-    acc = __fadd_rn(acc, __fmul_rn(static_cast<float>(dot), sc));
+    const float f = __fmul_rn(static_cast<float>(dot), to_float(ascales[g * m_pad + m]));
+    acc = __fmaf_rn(f, to_float(wscales[scale_pos(n, g, groups)]), acc);
   }
   if (bias != nullptr) acc = __fadd_rn(acc, to_float(bias[scale_pos(n, 0, 1)]));
   if (rank > 0) {
@@ -177,6 +183,16 @@ void dispatch_half(at::ScalarType t, F&& f) {
   } else {
     f(__nv_bfloat16{});
   }
+}
+
+// CACHE_DIT_SVDQ_GEMM=portable (read once) sends every GEMM to the portable
+// kernel, so one GPU can check both paths against each other.
+bool portable_gemm_forced() {
+  static const bool forced = [] {
+    const char* v = std::getenv("CACHE_DIT_SVDQ_GEMM");
+    return v != nullptr && std::strcmp(v, "portable") == 0;
+  }();
+  return forced;
 }
 
 template <typename T>
@@ -201,8 +217,7 @@ void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, 
         reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(smooth),
         static_cast<uint8_t*>(output.data_ptr()), reinterpret_cast<T*>(oscales.data_ptr()), m, m_pad, k);
     if (rank > 0) {
-      const int64_t threads = m_pad * rank;
-      lora_down_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(threads, 256)), 256, 0, stream>>>(
+      lora_down_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(m_pad, 16)), 32 * kDownWarps, 0, stream>>>(
           reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(lora_down),
           static_cast<float*>(lora_act_out.data_ptr()), m, m_pad, k, rank);
     }
@@ -216,10 +231,14 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
                    at::Tensor& out) {
   check_gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alpha, wcscales, act_unsigned,
              out_dtype_id, &out);
-  const int64_t m_pad = act.size(0), k = act.size(1) * 2, n = wgt.size(0);
+  const int64_t m_pad = act.size(0), k = act.size(1), n = wgt.size(0);
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   if (m_pad == 0) return;
   const c10::cuda::CUDAGuard guard(act.device());
+  if (!portable_gemm_forced() && sm90::usable(act, ascales, lora_act_in, lora_up, bias, out)) {
+    sm90::gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, out);
+    return;
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 block(16, 16);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, 16)), static_cast<unsigned>(cuda::ceil_div(m_pad, 16)));

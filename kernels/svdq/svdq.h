@@ -16,8 +16,9 @@
 //     input [M, K] T contiguous, K % 128 == 0
 //     lora_down [K, R] T packed (proj_down: already divided by smooth), R % 16 == 0, or None (R = 0)
 //     smooth [K] T packed (smooth_factor), or None (1)
-//     -> output [M_pad, K/2] uint8: row-major nibbles, value k of row m in byte
-//        m * K/2 + k/2, even k in the low nibble (signed INT4)
+//     -> output [M_pad, K] float8_e4m3fn row-major: the e4m3 code of q (every
+//        INT4 value is an exact e4m3 number; the sm_90a GEMM feeds them to FP8
+//        tensor cores, kernels/svdq/gemm_sm90.h)
 //        oscales [G, M_pad] T row-major: scale of (row m, group g) at g * M_pad + m
 //        lora_act_out [M_pad, R] float32 row-major: x @ proj_down (raw x)
 //     Rows m >= M come out as q 0, scale 0, lora_act 0. Numerics:
@@ -27,10 +28,12 @@
 //     (qweight), N % 128 == 0; wscales [G, N] T packed; lora_act_in [M_pad, R]
 //     float32 and lora_up [N, R] T packed, both or neither; bias [N] T packed
 //     or None; alpha == 1; wcscales None; out_dtype_id 0 float16, 1 bfloat16,
-//     2 float32 -> out [M_pad, N]. Numerics: linear_faithful (exact int32 group
-//     dots, groups accumulated in fp32 in order, then bias, then LoRA).
+//     2 float32 -> out [M_pad, N]. Numerics: linear_faithful (exact group dots;
+//     per group in order acc = fma(dot * ascale, wscale, acc) in fp32, where
+//     dot * ascale is exact; then bias; then LoRA). Without LoRA the result is
+//     bit-exact on every path; the LoRA sums' order is the path's own.
 //   svdq_quantize_w4a4_wgt
-//     input [N, K] T contiguous, N % 128 == 0, K % 64 == 0
+//     input [N, K] T contiguous, N % 128 == 0, K % 128 == 0
 //     -> output [N, K/2] int8 packed (qweight), oscales [G, N] T packed
 //     (wscales). Numerics: quantize_weight (bit-exact).
 // Outputs are contiguous and overlap no operand.
@@ -47,6 +50,7 @@ inline constexpr int64_t kGroup = 64;
 inline constexpr int64_t kBlockN = 128;
 inline constexpr int64_t kKAlign = 128;
 inline constexpr int64_t kRankAlign = 16;
+inline constexpr at::ScalarType kActDtype = at::kFloat8_e4m3fn;  // act: e4m3 codes of INT4 values
 
 struct ActQuantOutputs {
   const at::Tensor* output;

@@ -120,7 +120,7 @@ def _act_meta(input, lora_down, smooth, fuse_glu, fp4, pad_size, outs=None):
     if smooth is not None:
         _check_vector(op, "smooth", smooth, k, dtype, input, "input")
     m_pad = _padded_rows(input.shape[0], pad_size)
-    specs = (((m_pad, k // 2), torch.uint8), ((k // _GROUP, m_pad), dtype), ((m_pad, rank), torch.float32))
+    specs = (((m_pad, k), torch.float8_e4m3fn), ((k // _GROUP, m_pad), dtype), ((m_pad, rank), torch.float32))
     if outs is not None:
         for name, out, (shape, dt) in zip(("output", "oscales", "lora_act_out"), outs, specs):
             _checks.check_output(op, name, out, shape, dt, input)
@@ -139,17 +139,17 @@ def _gemm_meta(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alph
     if not 0 <= out_dtype_id <= 2:
         raise ValueError(f"{op}: out_dtype_id must be 0 (float16), 1 (bfloat16) or 2 (float32), got {out_dtype_id}")
     _check_device(op, "act", act)
-    _checks.check_dims(op, "act", act, 2, "[M_pad, K/2] (from svdq_quantize_w4a4_act_fuse_lora)")
-    _checks.check_dtype(op, "act", act, torch.uint8)
+    _checks.check_dims(op, "act", act, 2, "[M_pad, K] (from svdq_quantize_w4a4_act_fuse_lora)")
+    _checks.check_dtype(op, "act", act, torch.float8_e4m3fn)
     _checks.check_contiguous(op, "act", act)
     _checks.check_dims(op, "wgt", wgt, 2, "[N, K/2] (packed qweight)")
     _checks.check_dtype(op, "wgt", wgt, torch.int8)
     _checks.check_contiguous(op, "wgt", wgt)
-    m_pad, k, n = act.shape[0], act.shape[1] * 2, wgt.shape[0]
-    if wgt.shape[1] != act.shape[1]:
-        raise ValueError(f"{op}: wgt must be [N, K/2] with K/2 = {act.shape[1]} as in act, got wgt shape "
+    m_pad, k, n = act.shape[0], act.shape[1], wgt.shape[0]
+    if wgt.shape[1] * 2 != k:
+        raise ValueError(f"{op}: wgt must be [N, K/2] with K = {k} as in act, got wgt shape "
                          f"{_checks.shape_str(wgt.shape)} and act shape {_checks.shape_str(act.shape)}")
-    _check_multiple(op, "K (2 * act.shape[1])", k, _K_ALIGN, act)
+    _check_multiple(op, "K (act.shape[1])", k, _K_ALIGN, act)
     _check_multiple(op, "N (wgt.shape[0])", n, _BLOCK_N, wgt)
     _checks.check_dims(op, "wscales", wscales, 2, "[K/64, N] (packed)")
     _checks.check_dtype_in(op, "wscales", wscales, _HALVES)
@@ -192,7 +192,7 @@ def _wgt_meta(input, outs=None):
     _checks.check_dtype_in(op, "input", input, _HALVES)
     _checks.check_contiguous(op, "input", input)
     _check_multiple(op, "N (input.shape[0])", input.shape[0], _BLOCK_N, input)
-    _check_multiple(op, "K (input.shape[1])", input.shape[1], _GROUP, input)
+    _check_multiple(op, "K (input.shape[1])", input.shape[1], _K_ALIGN, input)
     n, k = input.shape
     specs = (((n, k // 2), torch.int8), ((k // _GROUP, n), input.dtype))
     if outs is not None:
@@ -341,7 +341,7 @@ def svdq_quantize_w4a4_act_fuse_lora(input: torch.Tensor, lora_down: torch.Tenso
     :param lora_down: packed ``proj_down`` ``[K, R]`` in the input's dtype (R a multiple of 16), or None (rank 0).
     :param smooth: packed ``smooth_factor`` ``[K]`` in the input's dtype, or None.
     :param pad_size: rows are padded to a multiple of it (pad rows quantize to 0).
-    :returns: ``(act, ascales, lora_act)`` for :func:`svdq_gemm_w4a4`: ``[M_pad, K/2]`` uint8,
+    :returns: ``(act, ascales, lora_act)`` for :func:`svdq_gemm_w4a4`: ``[M_pad, K]`` float8_e4m3fn (the e4m3 codes of the INT4 values),
         ``[K/64, M_pad]`` in the input's dtype, ``[M_pad, R]`` float32 (the daemon's internal layouts).
     :raises ValueError: on a wrong shape, dtype or layout (naming the value); for ``fp4`` or ``fuse_glu``.
     """
@@ -372,6 +372,6 @@ def svdq_gemm_w4a4(act: torch.Tensor, wgt: torch.Tensor, ascales: torch.Tensor, 
 
 
 def svdq_quantize_w4a4_wgt(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantizes a weight ``[N, K]`` (float16/bfloat16, N % 128 == 0, K % 64 == 0) to packed ``qweight``
+    """Quantizes a weight ``[N, K]`` (float16/bfloat16, N % 128 == 0, K % 128 == 0) to packed ``qweight``
     ``[N, K/2]`` int8 and ``wscales`` ``[K/64, N]`` (scale = amax/7 in the input's dtype, round half to even)."""
     return torch.ops.cache_dit_cuda_ops.svdq_quantize_w4a4_wgt(input)

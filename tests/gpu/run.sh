@@ -5,7 +5,9 @@
 #
 # - Offline dependencies: with --prefix DEBS_DIR, or when <repo>/.offline/debs
 #   exists, sources deploy/offline/use-prefix.sh DEBS_DIR (unpacks into
-#   <repo>/.offline/prefix and exports the paths CMake and the loader need).
+#   <repo>/.offline/prefix and exports the paths CMake and the loader need);
+#   wheels in ${CACHE_DIT_WHEELS:-<repo>/.offline/wheels} (the test
+#   dependencies, deploy/offline/fetch-wheels.sh) go to <build dir>/pydeps.
 # - Python: the `python3` on PATH (the host's torch install); no venv, no pip.
 #   CACHE_DIT_PYTHON overrides it.
 # - CUDA targets: from `nvidia-smi --query-gpu=compute_cap` (9.0 -> 90a, 8.9 ->
@@ -28,7 +30,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --prefix) [ $# -ge 2 ] || { echo "tests/gpu/run.sh: --prefix needs a folder" >&2; exit 2; }; DEBS="$2"; shift 2 ;;
     --prefix=*) DEBS="${1#--prefix=}"; shift ;;
-    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "tests/gpu/run.sh: unknown argument '$1' (usage: tests/gpu/run.sh [--prefix DEBS_DIR])" >&2; exit 2 ;;
   esac
 done
@@ -67,6 +69,15 @@ PY="${CACHE_DIT_PYTHON:-$(command -v python3 || true)}"
 export CACHE_DIT_PYTHON="$PY"
 export CACHE_DIT_OPD_BUILD_DIR="$BUILD_DIR"
 if ! command -v nvcc > /dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+
+# ---- Python test dependencies without an index (deploy/offline/fetch-wheels.sh)
+WHEELS="${CACHE_DIT_WHEELS:-$ROOT/.offline/wheels}"
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  "$PY" -m pip install --quiet --no-deps --no-index --upgrade --target "$BUILD_DIR/pydeps" "$WHEELS"/*.whl \
+    > "$RESULTS/wheels.log" 2>&1 || abort "installing the wheels of $WHEELS failed" "$RESULTS/wheels.log"
+  export PYTHONPATH="$BUILD_DIR/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+  say "test wheels from $WHEELS: $(cd "$WHEELS" && ls -- *.whl | paste -sd' ' -)"
+fi
 
 # ---- CUDA targets -------------------------------------------------------------
 GPU_INFO="$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2> /dev/null || true)"

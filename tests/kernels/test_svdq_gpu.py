@@ -10,16 +10,20 @@ are compared within K (or R) fp32 roundings of the sum of the absolute products.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import svdq_reference as sq
+from conftest import library_path
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+BF16, F16, F32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 EPS32 = torch.finfo(torch.float32).eps
 
 
@@ -40,14 +44,8 @@ def assert_bitwise(actual, expected):
     assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:5].tolist()}"
 
 
-def _nibbles_row_major(q):
-    """[M, K] int8 in [-8, 7] -> the act layout: [M, K/2] uint8, even k in the low nibble."""
-    u = q.to(torch.int16).bitwise_and(0xF)
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).to(torch.uint8)
-
-
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("n,k", [(128, 64), (256, 384), (384, 3072)])
+@pytest.mark.parametrize("n,k", [(128, 128), (256, 384), (384, 3072)])
 def test_weight_quantizer_is_bit_exact(ops, dtype, n, k):
     w = rand(n, k, dtype=dtype, scale=0.05, seed=n + k)
     w[0, :64] = 0  # an all-zero group: scale 1, q 0
@@ -66,12 +64,12 @@ def test_activation_quantizer_is_bit_exact_and_lora_down_close(ops, dtype, m, k,
     packed_s = sq.pack_channel_vector(s.cpu()).to(DEV) if smooth else None
     packed_down = sq.pack_lowrank(down.cpu(), down=True).to(DEV) if r else None
     m_pad = (m + 255) // 256 * 256
-    outs = {"output": poisoned((m_pad, k // 2), torch.uint8), "oscales": poisoned((k // 64, m_pad), dtype),
+    outs = {"output": poisoned((m_pad, k), FP8), "oscales": poisoned((k // 64, m_pad), dtype),
             "lora_act_out": poisoned((m_pad, r), F32)}
     ops.svdq_quantize_w4a4_act_fuse_lora.out(x, packed_down, packed_s, False, False, 256, **outs)
     q, scales = sq.quantize_act(x.cpu(), None if s is None else s.cpu())
-    want_q = torch.zeros(m_pad, k // 2, dtype=torch.uint8)
-    want_q[:m] = _nibbles_row_major(q)
+    want_q = torch.zeros(m_pad, k, dtype=FP8)
+    want_q[:m] = q.to(FP8)  # every INT4 value is an exact e4m3 number
     want_s = torch.zeros(k // 64, m_pad, dtype=dtype)
     want_s[:, :m] = scales.t()
     assert_bitwise(outs["output"], want_q.to(DEV))
@@ -93,18 +91,78 @@ def _layer(dtype, m, n, k, r, seed=0):
     return x, ckpt
 
 
-@pytest.mark.parametrize("out_dtype", [F32, BF16])
-@pytest.mark.parametrize("m,n,k", [(1, 128, 128), (300, 256, 384), (1024, 384, 3072)])
-def test_gemm_without_lora_is_bit_exact(ops, out_dtype, m, n, k):
-    dtype = BF16
-    x, ckpt = _layer(dtype, m, n, k, r=0, seed=m + n)
-    dev = {key: t.to(DEV) for key, t in ckpt.items()}
-    act, ascales, _ = ops.svdq_quantize_w4a4_act_fuse_lora(x.to(DEV), None, dev["smooth_factor"], False, False, 256)
-    y = ops.svdq_gemm_w4a4(act, dev["qweight"], ascales, dev["wscales"], None, None, dev["bias"], False, 1.0, None,
-                           False, {F16: 0, BF16: 1, F32: 2}[out_dtype])
+def _gemm(ops, x, dev, out_dtype, lora, pad_size=256):
+    act, ascales, lora_act = ops.svdq_quantize_w4a4_act_fuse_lora(
+        x.to(DEV), dev["proj_down"] if lora else None, dev["smooth_factor"], False, False, pad_size)
+    return ops.svdq_gemm_w4a4(act, dev["qweight"], ascales, dev["wscales"], lora_act if lora else None,
+                              dev["proj_up"] if lora else None, dev["bias"], False, 1.0, None, False,
+                              {F16: 0, BF16: 1, F32: 2}[out_dtype])
+
+
+# pad_size 8 leaves a partial 128-row tile (TMA reads zeros past M_pad, the stores stop there); pad_size 1
+# gives M_pad % 8 != 0, which the tensor-core path does not take (the portable kernel runs).
+@pytest.mark.parametrize("out_dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("m,n,k,pad", [(1, 128, 128, 256), (300, 256, 384, 8), (301, 128, 256, 1),
+                                       (1024, 384, 3072, 256)])
+def test_gemm_without_lora_is_bit_exact(ops, out_dtype, m, n, k, pad):
+    x, ckpt = _layer(BF16, m, n, k, r=0, seed=m + n)
+    y = _gemm(ops, x, {key: t.to(DEV) for key, t in ckpt.items()}, out_dtype, lora=False, pad_size=pad)
     t = sq.unpack_linear(ckpt)
     want = sq.linear_faithful(x, t["q_w"], t["wscales"], t["smooth"], bias=t["bias"], out_dtype=out_dtype)
     assert_bitwise(y[:m], want.to(DEV))
+
+
+def test_the_portable_kernel_equals_the_tensor_core_one(ops, tmp_path):
+    """CACHE_DIT_SVDQ_GEMM=portable (in a child process) against this process's sm_90a path: equal bits
+    without LoRA, within the LoRA sums' rounding with it (the two sum R in different orders)."""
+    torch.manual_seed(0)
+    x, ckpt = _layer(BF16, 640, 256, 1024, r=32, seed=5)
+    torch.save({"x": x, "ckpt": ckpt}, tmp_path / "in.pt")
+    child = f"""
+import sys, torch
+sys.path[:0] = {sys.path!r}
+torch.ops.load_library({str(library_path())!r})
+import test_svdq_gpu as t
+d = torch.load({str(tmp_path / "in.pt")!r})
+ops = torch.ops.cache_dit_cuda_ops
+dev = {{k: v.to("cuda") for k, v in d["ckpt"].items()}}
+ys = [t._gemm(ops, d["x"], dev, torch.float32, lora).cpu() for lora in (False, True)]
+torch.save(ys, {str(tmp_path / "out.pt")!r})
+"""
+    env = dict(os.environ, CACHE_DIT_SVDQ_GEMM="portable", PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", child], check=True, env=env, cwd=os.path.dirname(__file__))
+    portable = torch.load(tmp_path / "out.pt")
+    dev = {key: t.to(DEV) for key, t in ckpt.items()}
+    mine = [_gemm(ops, x, dev, F32, lora).cpu() for lora in (False, True)]
+    assert_bitwise(mine[0], portable[0])
+    t = sq.unpack_linear(ckpt)
+    lora_mag = (x.double().abs() @ t["down"].double().abs().t()) @ t["up"].double().abs().t()
+    bound = lora_mag * 64 * EPS32 + 1e-6
+    assert torch.all((mine[1][:640].double() - portable[1][:640].double()).abs() <= bound)
+
+
+def test_accuracy_against_the_float_linear_improves_with_rank(ops):
+    """A linear whose weight has a strong low-rank part plus noise and whose input has outlier channels (what
+    SVDQuant is for): the kernels' output against the float linear, at ranks 0, 16, 32."""
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 512, 512, 1024
+    low_rank = torch.randn(n, 24, generator=g) @ torch.randn(24, k, generator=g)
+    w = low_rank * 0.02 + torch.randn(n, k, generator=g) * 0.01
+    b = torch.randn(n, generator=g) * 0.1
+    x = torch.randn(m, k, generator=g)
+    x[:, :8] *= 20  # outlier channels
+    x = x.to(BF16)
+    want = x.double() @ w.double().t() + b.double()
+    errs = []
+    for r in (0, 16, 32):
+        ckpt = sq.quantize_linear(w, b, rank=r, dtype=BF16, act_amax=x.float().abs().amax(dim=0))
+        y = _gemm(ops, x, {key: v.to(DEV) for key, v in ckpt.items()}, F32, lora=r > 0)[:m].cpu().double()
+        rel = ((y - want).norm() / want.norm()).item()
+        cos = torch.nn.functional.cosine_similarity(y.flatten(), want.flatten(), dim=0).item()
+        errs.append(rel)
+        assert cos > 0.99, (r, cos)
+    assert errs[0] > errs[1] > errs[2], errs
+    assert errs[2] < 0.1, errs
 
 
 @pytest.mark.parametrize("m,n,k,r", [(300, 256, 384, 16), (4608, 384, 3072, 32)])
@@ -131,6 +189,11 @@ def test_bad_input_is_rejected_before_launch_with_the_value_named(ops):
         ops.svdq_quantize_w4a4_act_fuse_lora(x, None, None, False, False, 256)
     with pytest.raises(ValueError, match="fp4=True"):
         ops.svdq_quantize_w4a4_act_fuse_lora(rand(4, 128), None, None, False, True, 256)
-    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+    with pytest.raises(ValueError, match="input must be a CUDA tensor, got device cpu"):
         ops.svdq_quantize_w4a4_wgt(torch.zeros(128, 128, dtype=BF16))
+    with pytest.raises(ValueError, match=r"got wgt shape \[128, 64\]"):  # a weight of another K
+        act, ascales, _ = ops.svdq_quantize_w4a4_act_fuse_lora(rand(4, 256), None, None, False, False, 256)
+        w = rand(128, 128)
+        qw, ws = ops.svdq_quantize_w4a4_wgt(w)
+        ops.svdq_gemm_w4a4(act, qw, ascales, ws, None, None, None, False, 1.0, None, False, 1)
     torch.cuda.synchronize()  # nothing faulted

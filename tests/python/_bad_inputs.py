@@ -19,7 +19,7 @@ def _merge(po=(2, 3, 4, 8), pl=(2, 3, 4, 1), so=(2, 3, 4, 8), sl=(2, 3, 4, 1), d
     return tuple(m(*s, dtype=d) for s, d in zip(shapes, dtypes))
 
 
-U8, I8 = torch.uint8, torch.int8
+I8 = torch.int8
 
 
 def _act(x=(4, 256), down=(256, 32), smooth=(256,), fuse_glu=False, fp4=False, pad=256, dtype=BF16):
@@ -27,8 +27,8 @@ def _act(x=(4, 256), down=(256, 32), smooth=(256,), fuse_glu=False, fp4=False, p
             fuse_glu, fp4, pad)
 
 
-def _gemm(act=(256, 128), wgt=(128, 128), asc=(4, 256), wsc=(4, 128), la=(256, 32), up=(128, 32), bias=(128,),
-          fp4=False, alpha=1.0, wcscales=None, unsigned=False, out_id=1, act_dtype=U8, wsc_dtype=BF16):
+def _gemm(act=(256, 256), wgt=(128, 128), asc=(4, 256), wsc=(4, 128), la=(256, 32), up=(128, 32), bias=(128,),
+          fp4=False, alpha=1.0, wcscales=None, unsigned=False, out_id=1, act_dtype=FP8, wsc_dtype=BF16):
     return (m(*act, dtype=act_dtype), m(*wgt, dtype=I8), m(*asc), m(*wsc, dtype=wsc_dtype),
             None if la is None else m(*la, dtype=F32), None if up is None else m(*up),
             None if bias is None else m(*bias), fp4, alpha, wcscales, unsigned, out_id)
@@ -46,8 +46,8 @@ CASES = [
     ("svdq-act-rank", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(down=(256, 24)), {}), "got 24"),
     ("svdq-act-smooth", "svdq_quantize_w4a4_act_fuse_lora", lambda: (_act(smooth=(128,)), {}), "[128]"),
     ("svdq-act-out-rows", "svdq_quantize_w4a4_act_fuse_lora.out",
-     lambda: (_act(), {"output": m(4, 128, dtype=U8), "oscales": m(4, 256), "lora_act_out": m(256, 32, dtype=F32)}),
-     "[256, 128]"),
+     lambda: (_act(), {"output": m(4, 256, dtype=FP8), "oscales": m(4, 256), "lora_act_out": m(256, 32, dtype=F32)}),
+     "[256, 256]"),
     ("svdq-gemm-alpha", "svdq_gemm_w4a4", lambda: (_gemm(alpha=0.5), {}), "got 0.5"),
     ("svdq-gemm-unsigned", "svdq_gemm_w4a4", lambda: (_gemm(unsigned=True), {}), "act_unsigned=True"),
     ("svdq-gemm-out-id", "svdq_gemm_w4a4", lambda: (_gemm(out_id=3), {}), "got 3"),

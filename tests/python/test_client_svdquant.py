@@ -34,7 +34,7 @@ def test_output_geometry(device_mode):
     def run():
         x, qw, ws, smooth, down, up, bias = _layer("meta" if device_mode == "meta" else "cuda", m=300)
         act, ascales, lora_act = kernels.svdq_quantize_w4a4_act_fuse_lora(x, down, smooth)
-        assert (act.shape, act.dtype) == ((512, 192), torch.uint8)  # 300 rows padded to 512
+        assert (act.shape, act.dtype) == ((512, 384), torch.float8_e4m3fn)  # 300 rows padded to 512
         assert (ascales.shape, ascales.dtype) == ((6, 512), BF16)
         assert (lora_act.shape, lora_act.dtype) == ((512, 32), torch.float32)
         y = kernels.svdq_gemm_w4a4(act, qw, ascales, ws, lora_act, up, bias, output_dtype=torch.float32)
@@ -94,7 +94,7 @@ def test_the_daemon_serves_the_svdq_out_overloads_with_optional_and_scalar_argum
     c = client
     m_pad, k, n, r = 256, 384, 256, 32
     x, down, smooth = c.tensor(200, k), c.tensor(k, r), c.tensor(k)  # 200 rows: M_pad 256
-    outs = [c.tensor(m_pad, k // 2, dtype=torch.uint8), c.tensor(k // 64, m_pad), c.tensor(m_pad, r, dtype=torch.float32)]
+    outs = [c.tensor(m_pad, k, dtype=torch.float8_e4m3fn), c.tensor(k // 64, m_pad), c.tensor(m_pad, r, dtype=torch.float32)]
     c.run("svdq_quantize_w4a4_act_fuse_lora", [x, down, smooth, False, False, 256, *outs])
     c.run("svdq_quantize_w4a4_act_fuse_lora", [x, None, None, False, False, 256, outs[0], outs[1],
                                                c.tensor(m_pad, 0, dtype=torch.float32)])

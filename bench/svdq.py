@@ -1,0 +1,122 @@
+"""SVDQuant W4A4 benchmark: the whole linear at FLUX.1 shapes against cuBLAS in the same run.
+
+For each (M, K, N) at rank 32: device time of the activation quantizer with LoRA-down
+(``svdq_quantize_w4a4_act_fuse_lora``), of the GEMM with LoRA-up and bias (``svdq_gemm_w4a4``, which
+on sm_90a includes expanding the packed weight to e4m3), and of both; against the BF16 linear
+(``F.linear`` with bias), FP8 row-wise ``torch._scaled_mm`` and INT8 ``torch._int_mm`` of the same
+shape. Rates are 2 M N K per second of each; the ratio column divides the BF16 linear's time by the
+W4A4 linear's. Operands are random (packed bytes, scales): times do not depend on values.
+
+    python bench/svdq.py --lib build/kernels/libcache_dit_cuda_ops.so [--json out.json] [--quick]
+
+The kernel library is loaded in this process (in-process numbers; through the daemon the same kernels
+run on the daemon's stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+FLUX = [(3072, 3072), (3072, 12288), (12288, 3072), (3072, 9216), (15360, 3072)]
+RANK = 32
+
+
+def shapes(quick: bool):
+    out = [(4608, k, n) for k, n in FLUX]
+    out += [(m, 3072, 3072) for m in (1024, 256)]
+    return out[:3] if quick else out
+
+
+def device_time(fn, iters: int) -> float:
+    """Median seconds per call over `iters` timed calls, after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(times)
+
+
+def case(ops, m: int, k: int, n: int, iters: int) -> dict:
+    dev = "cuda"
+    x = torch.randn(m, k, device=dev, dtype=BF16)
+    qweight = torch.randint(-128, 128, (n, k // 2), device=dev, dtype=torch.int8)
+    wscales = (torch.rand(k // 64, n, device=dev) * 0.01 + 1e-3).to(BF16)
+    smooth = (torch.rand(k, device=dev) + 0.5).to(BF16)
+    down = (torch.randn(k, RANK, device=dev) * 0.02).to(BF16)
+    up = (torch.randn(n, RANK, device=dev) * 0.02).to(BF16)
+    bias = torch.randn(n, device=dev, dtype=BF16)
+    act, ascales, lora_act = ops.svdq_quantize_w4a4_act_fuse_lora(x, down, smooth, False, False, 256)
+    out = torch.empty(act.shape[0], n, device=dev, dtype=BF16)
+
+    t_quant = device_time(lambda: ops.svdq_quantize_w4a4_act_fuse_lora.out(
+        x, down, smooth, False, False, 256, output=act, oscales=ascales, lora_act_out=lora_act), iters)
+    t_gemm = device_time(lambda: ops.svdq_gemm_w4a4.out(
+        act, qweight, ascales, wscales, lora_act, up, bias, False, 1.0, None, False, 1, out=out), iters)
+
+    w = torch.randn(n, k, device=dev, dtype=BF16) * 0.02
+    t_bf16 = device_time(lambda: F.linear(x, w, bias), iters)
+    xq, wq = x.to(FP8), w.to(FP8)
+    sa = torch.ones(m, 1, device=dev, dtype=torch.float32)
+    sb = torch.ones(1, n, device=dev, dtype=torch.float32)
+    t_fp8 = device_time(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=BF16,
+                                                 use_fast_accum=True), iters)
+    xi = torch.randint(-8, 8, (m, k), device=dev, dtype=torch.int8)
+    wi = torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8)
+    t_int8 = device_time(lambda: torch._int_mm(xi, wi.t()), iters)
+
+    flop = 2 * m * n * k
+    t_w4a4 = t_quant + t_gemm
+    return {
+        "m": m, "k": k, "n": n, "rank": RANK,
+        "us": {"quant": t_quant * 1e6, "gemm": t_gemm * 1e6, "w4a4": t_w4a4 * 1e6, "bf16": t_bf16 * 1e6,
+               "fp8": t_fp8 * 1e6, "int8": t_int8 * 1e6},
+        "tflops": {"w4a4": flop / t_w4a4 / 1e12, "w4a4_gemm": flop / t_gemm / 1e12, "bf16": flop / t_bf16 / 1e12,
+                   "fp8": flop / t_fp8 / 1e12, "int8": flop / t_int8 / 1e12},
+        "vs_bf16": t_bf16 / t_w4a4, "vs_fp8": t_fp8 / t_w4a4, "quant_share": t_quant / t_w4a4,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| M | K | N | W4A4 linear us (quant + GEMM) | W4A4 TFLOP/s | GEMM only TFLOP/s | BF16 TFLOP/s | "
+            "FP8 TFLOP/s | INT8 TFLOP/s | x BF16 | x FP8 |")
+    lines = [head, "|" + " --- |" * 11]
+    for r in rows:
+        u, f = r["us"], r["tflops"]
+        lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {u['w4a4']:.1f} ({u['quant']:.1f} + {u['gemm']:.1f}) | "
+                     f"{f['w4a4']:.0f} | {f['w4a4_gemm']:.0f} | {f['bf16']:.0f} | {f['fp8']:.0f} | {f['int8']:.0f} | "
+                     f"{r['vs_bf16']:.2f} | {r['vs_fp8']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lib", required=True, type=Path)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--iters", type=int, default=30)
+    a = p.parse_args()
+    torch.ops.load_library(str(a.lib))
+    ops = torch.ops.cache_dit_cuda_ops
+    rows = [case(ops, m, k, n, a.iters) for m, k, n in shapes(a.quick)]
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(table(rows))
+    if a.json:
+        a.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                      "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

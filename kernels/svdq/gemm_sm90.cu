@@ -1,0 +1,423 @@
+// The sm_90a W4A4 GEMM (kernels/svdq/gemm_sm90.h says what and why). Hand-
+// written PTX: TMA tensor copies, mbarriers, wgmma on 128-byte-swizzled
+// shared memory, setmaxnreg. Compiled for every target of the build; the
+// body exists only in the sm_90a image, and the host takes this path only on
+// an sm 9.0 device of a build that has that image.
+#include "kernels/svdq/gemm_sm90.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <type_traits>
+
+#include "kernels/common/cuda_utils.cuh"
+#include "kernels/svdq/layouts.cuh"
+#include "kernels/svdq/mma.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CACHE_DIT_SVDQ_WGMMA_BODY 1
+#endif
+
+namespace cache_dit::svdq::sm90 {
+namespace {
+
+constexpr int kBM = 128;     // tile rows (tokens): two consumer warpgroups of 64
+constexpr int kBN = 128;     // tile columns (output channels), one packed-scale block
+constexpr int kBK = 128;     // K per stage: two 64-groups, one 128-byte swizzle row of e4m3
+constexpr int kStages = 6;   // 6 x 33.5 KB of the 227 KB a block may have
+constexpr int kThreads = 384;  // warpgroup 0: the producer; 1 and 2: the consumers
+constexpr int kTileBytes = kBM * kBK;
+
+struct Smem {
+  uint8_t a[kStages][kTileBytes];  // act rows m0.., 128-byte swizzled (1024-byte aligned atoms)
+  uint8_t b[kStages][kTileBytes];  // e4m3 weight rows n0.., same layout
+  float ws[kStages][2 * kBN];      // the two groups' weight scales, packed order
+  uint16_t as[kStages][2 * kBM];   // the two groups' activation scales (model dtype bits), by row
+  uint64_t full[kStages];          // TMA landed (tx count)
+  uint64_t empty[kStages];         // the 8 consumer warps are done with the stage
+};
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
+
+#ifdef CACHE_DIT_SVDQ_WGMMA_BODY
+
+constexpr uint32_t kStageTxBytes = 2 * kTileBytes + sizeof(float) * 2 * kBN + sizeof(uint16_t) * 2 * kBM;
+
+template <typename T>
+__device__ __forceinline__ float scale_bits_to_float(uint16_t bits);
+template <>
+__device__ __forceinline__ float scale_bits_to_float<__nv_bfloat16>(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+template <>
+__device__ __forceinline__ float scale_bits_to_float<__half>(uint16_t bits) {
+  return __half2float(__ushort_as_half(bits));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// K-major operand, 128-byte swizzle: rows of 128 bytes, 8-row atoms 1024
+// bytes apart (SBO); LBO unused in this mode (1 by convention).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (+)= A[64 x 32] B[128 x 32]^T, both e4m3 in shared memory.
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// One 64-group of this warpgroup's 64 rows: two k32 MMAs into a fresh d.
+__device__ __forceinline__ void issue_group(float (&d)[64], const Smem& s, int stage, int half, int wg_row) {
+  const uint32_t a = smem_u32(s.a[stage]) + wg_row * kBK + half * 64;
+  const uint32_t b = smem_u32(s.b[stage]) + half * 64;
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  wgmma_e4m3(d, sw128_desc(a), sw128_desc(b), 0);
+  wgmma_e4m3(d, sw128_desc(a + 32), sw128_desc(b + 32), 1);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// out += (dot * ascale) * wscale, one FMUL (exact: |dot| <= 4096 and the
+// scale has at most 11 significant bits) and one FFMA (one rounding) per
+// element. d[4 j + r]: row g + 8 (r / 2), column 8 j + 2 t + r % 2.
+template <typename T>
+__device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const Smem& s, int stage, int half,
+                                        int wg_row, int lane) {
+  const int g = lane / 4, t = lane % 4, warp_row = (threadIdx.x % 128) / 32 * 16;
+  const uint16_t* as = s.as[stage] + half * kBM + wg_row + warp_row + g;
+  const float a0 = scale_bits_to_float<T>(as[0]), a1 = scale_bits_to_float<T>(as[8]);
+  const float4* ws = reinterpret_cast<const float4*>(s.ws[stage] + half * kBN) + t;
+  float4 w[8];  // float4 at (4 jj + t): columns 16 jj + 2 t + {0, 1} and + 8
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) w[jj] = ws[jj * 4];
+  // All 64 products first (independent), then the 64 FFMAs: no FFMA waits on
+  // the FMUL just before it.
+#pragma unroll
+  for (int i = 0; i < 64; ++i) d[i] = __fmul_rn(d[i], (i % 4) < 2 ? a0 : a1);
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const float wv[4] = {w[jj].x, w[jj].y, w[jj].z, w[jj].w};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = (2 * jj + h) * 4 + r;
+        out[i] = __fmaf_rn(d[i], wv[2 * h + r % 2], out[i]);
+      }
+    }
+  }
+}
+
+template <typename Out>
+__device__ __forceinline__ void store2(Out* p, float x, float y) {
+  if constexpr (std::is_same_v<Out, float>) {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  } else {
+    *reinterpret_cast<uint32_t*>(p) = pack2<Out>(x, y);
+  }
+}
+
+#endif  // CACHE_DIT_SVDQ_WGMMA_BODY
+
+template <typename T, typename Out>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_kernel(const __grid_constant__ CUtensorMap tm_act, const __grid_constant__ CUtensorMap tm_wgt,
+                const __grid_constant__ CUtensorMap tm_as, const __grid_constant__ CUtensorMap tm_ws,
+                const float* __restrict__ lora_act, const T* __restrict__ up, const T* __restrict__ bias,
+                Out* __restrict__ out, int m_pad, int n_cols, int k_dim, int rank) {
+#ifdef CACHE_DIT_SVDQ_WGMMA_BODY
+  extern __shared__ uint8_t smem_raw[];
+  Smem& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+  const int n0 = blockIdx.x * kBN, m0 = blockIdx.y * kBM;
+  const int k_stages = k_dim / kBK, groups = k_dim / 64;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer: one thread issues every copy
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < k_stages; ++st) {
+        const int i = st % kStages;
+        mbar_wait(&s.empty[i], ((st / kStages) & 1) ^ 1);  // the first round passes at once
+        mbar_expect_tx(&s.full[i], kStageTxBytes);
+        tma_load_2d(s.a[i], &tm_act, &s.full[i], st * kBK, m0);
+        tma_load_2d(s.b[i], &tm_wgt, &s.full[i], st * kBK, n0);
+        tma_load_2d(s.ws[i], &tm_ws, &s.full[i], 0, blockIdx.x * groups + 2 * st);
+        tma_load_2d(s.as[i], &tm_as, &s.full[i], m0, 2 * st);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int wg_row = (wg - 1) * 64;  // this warpgroup's rows within the tile
+  float acc[64], d[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = d[i] = 0.f;
+
+  // Per group: two k32 MMAs into d, wait, rescale into acc. The other
+  // warpgroup's MMAs keep the tensor cores busy while this one rescales.
+  // (Measured on the H200: issuing both groups of a stage before one wait,
+  // in a 256-thread block where thread 0 also loads, is 10-25% slower.)
+  for (int st = 0; st < k_stages; ++st) {
+    const int i = st % kStages;
+    mbar_wait(&s.full[i], (st / kStages) & 1);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      issue_group(d, s, i, half, wg_row);
+      wgmma_wait<0>();
+      fence_acc(d);
+      rescale<T>(acc, d, s, i, half, wg_row, lane);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&s.empty[i]);
+  }
+
+  // Epilogue: + bias, then + LoRA-up, then store. Row g (+ 8) of this warp,
+  // columns 8 j + 2 t (+ 1).
+  const int g = lane / 4, t = lane % 4;
+  const int64_t row0 = m0 + wg_row + (threadIdx.x % 128) / 32 * 16 + g;
+  if (bias != nullptr) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {  // packed: 4 values at (n0 / 128 * 32 + 4 jj + t) * 4
+      const uint2 raw = *reinterpret_cast<const uint2*>(bias + (int64_t{blockIdx.x} * 32 + jj * 4 + t) * 4);
+      const T* b = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const int i = jj * 8 + r;  // (2 jj + r / 4) * 4 + r % 4
+        acc[i] = __fadd_rn(acc[i], cuda::to_float(b[(r / 4) * 2 + r % 2]));
+      }
+    }
+  }
+  if (rank > 0) {
+    for (int kr = 0; kr < rank / 16; ++kr) {
+      float2 x[4] = {};  // (row0, k 2t), (row0 + 8, k 2t), (row0, k 2t + 8), (row0 + 8, k 2t + 8)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int64_t row = row0 + (q % 2) * 8;
+        if (row < m_pad) {
+          x[q] = *reinterpret_cast<const float2*>(lora_act + row * rank + kr * 16 + 2 * t + (q / 2) * 8);
+        }
+      }
+      const uint32_t a[4] = {pack2<T>(x[0].x, x[0].y), pack2<T>(x[1].x, x[1].y), pack2<T>(x[2].x, x[2].y),
+                             pack2<T>(x[3].x, x[3].y)};
+#pragma unroll
+      for (int cc = 0; cc < 8; ++cc) {  // 16-channel tile cc: words (n_half, k_half) of lane's 16 bytes
+        const uint4 b = *reinterpret_cast<const uint4*>(up + ((int64_t{n0} / 16 + cc) * (rank / 16) + kr) * 256 +
+                                                        lane * 8);
+        float* d = acc + 8 * cc;
+        mma_16816<T>(d[0], d[1], d[2], d[3], a, b.x, b.y);
+        mma_16816<T>(d[4], d[5], d[6], d[7], a, b.z, b.w);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 8 * h;
+      if (row < m_pad) store2<Out>(out + row * n_cols + n0 + 8 * j + 2 * t, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+    }
+  }
+#else
+  __trap();  // never launched: the host takes this path only where the sm_90a image exists
+#endif
+}
+
+// qweight word (8 nibbles of row n, k .. k + 7) -> 8 e4m3 bytes of row-major [N, K].
+__global__ void expand_wgt_kernel(const uint32_t* __restrict__ qw, uint2* __restrict__ wq8, int64_t n_rows,
+                                  int64_t k_dim) {
+  const int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const int64_t units = k_dim / 8;
+  if (idx >= n_rows * units) return;
+  const int64_t n = idx / units, k = idx % units * 8;
+  const uint32_t w = qw[qweight_word(n, k, k_dim / 64)];
+  wq8[idx] = make_uint2(e4m3x4_of_int4(w & 0xFFFFu), e4m3x4_of_int4(w >> 16));
+}
+
+template <typename T>
+__global__ void widen_kernel(const T* __restrict__ in, float* __restrict__ out, int64_t n) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = cuda::to_float(in[i]);
+}
+
+// ---- host -------------------------------------------------------------------------------------------------
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status));
+    TORCH_CHECK(status == cudaDriverEntryPointSuccess && p != nullptr,
+                "svdq_gemm_w4a4: the driver has no cuTensorMapEncodeTiled (status ", static_cast<int>(status), ")");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A row-major [outer, inner] tensor of `elem` bytes, copied in boxes of
+// [box_outer, box_inner]; rows past `outer` read as zeros.
+CUtensorMap tensor_map(const void* base, CUtensorMapDataType type, uint64_t elem, uint64_t inner, uint64_t outer,
+                       uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner * elem};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, steps,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "svdq_gemm_w4a4: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
+  return map;
+}
+
+bool aligned(const at::Tensor& t, uintptr_t bytes) { return cuda::is_aligned(t.data_ptr(), bytes); }
+
+}  // namespace
+
+bool usable(const at::Tensor& act, const at::Tensor& ascales, const std::optional<at::Tensor>& lora_act,
+            const std::optional<at::Tensor>& lora_up, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+#ifndef CACHE_DIT_SVDQ_SM90A
+  (void)act, (void)ascales, (void)lora_act, (void)lora_up, (void)bias, (void)out;
+  return false;
+#else
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(act.get_device());
+  // TMA wants 16-byte aligned bases and row strides (ascales rows are M_pad
+  // scales); the epilogue reads up in 16-byte, bias and lora_act in 8-byte
+  // and writes out in 2-element pieces.
+  return prop->major == 9 && prop->minor == 0 && act.size(0) % 8 == 0 && aligned(act, 16) &&
+         aligned(ascales, 16) && (!lora_up || (aligned(*lora_up, 16) && aligned(*lora_act, 8))) &&
+         (!bias || aligned(*bias, 8)) && aligned(out, 8);
+#endif
+}
+
+void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
+          const std::optional<at::Tensor>& lora_act, const std::optional<at::Tensor>& lora_up,
+          const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t m_pad = act.size(0), k = act.size(1), n = wgt.size(0), groups = k / 64;
+  const int64_t rank = lora_up ? lora_up->size(1) : 0;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // Scratch from the caching allocator, on this stream: e4m3 weights and fp32 scales.
+  at::Tensor wq8 = at::empty({n, k}, act.options().dtype(at::kByte));
+  at::Tensor ws32 = at::empty({groups * n}, act.options().dtype(at::kFloat));
+  const int64_t units = n * k / 8;
+  expand_wgt_kernel<<<static_cast<unsigned>(cuda::ceil_div(units, 256)), 256, 0, stream>>>(
+      static_cast<const uint32_t*>(wgt.data_ptr()), static_cast<uint2*>(wq8.data_ptr()), n, k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const CUtensorMap tm_act = tensor_map(act.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, m_pad, kBK, kBM,
+                                        CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap tm_wgt = tensor_map(wq8.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, n, kBK, kBN,
+                                        CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap tm_as = tensor_map(ascales.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, m_pad, groups, kBM, 2,
+                                       CU_TENSOR_MAP_SWIZZLE_NONE);
+  const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kBN, groups * n / kBN,
+                                       kBN, 2, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const dim3 grid(static_cast<unsigned>(n / kBN), static_cast<unsigned>(cuda::ceil_div(m_pad, kBM)));
+
+  auto run = [&](auto t_tag, auto* o) {
+    using T = decltype(t_tag);
+    using Out = std::remove_pointer_t<decltype(o)>;
+    widen_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(groups * n, 256)), 256, 0, stream>>>(
+        reinterpret_cast<const T*>(wscales.data_ptr()), static_cast<float*>(ws32.data_ptr()), groups * n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto* kernel = gemm_kernel<T, Out>;
+    static std::once_flag once;  // one per instantiation
+    std::call_once(once, [&] {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kSmemBytes)));
+    });
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(
+        tm_act, tm_wgt, tm_as, tm_ws, lora_act ? static_cast<const float*>(lora_act->data_ptr()) : nullptr,
+        lora_up ? reinterpret_cast<const T*>(lora_up->data_ptr()) : nullptr,
+        bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr, o, static_cast<int>(m_pad),
+        static_cast<int>(n), static_cast<int>(k), static_cast<int>(rank));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto with_out = [&](auto t_tag) {
+    switch (out.scalar_type()) {
+      case at::kHalf: run(t_tag, reinterpret_cast<__half*>(out.data_ptr())); break;
+      case at::kBFloat16: run(t_tag, reinterpret_cast<__nv_bfloat16*>(out.data_ptr())); break;
+      default: run(t_tag, static_cast<float*>(out.data_ptr())); break;
+    }
+  };
+  if (wscales.scalar_type() == at::kHalf) {
+    with_out(__half{});
+  } else {
+    with_out(__nv_bfloat16{});
+  }
+}
+
+}  // namespace cache_dit::svdq::sm90

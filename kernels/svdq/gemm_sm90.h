@@ -1,0 +1,42 @@
+// File: kernels/svdq/gemm_sm90.h
+//
+// The sm_90a tensor-core path of svdq_gemm_w4a4 (internal to the svdq family;
+// kernels/svdq/svdq.h states the op's contract and numerics, which this path
+// meets bit for bit, LoRA aside).
+//
+// Operands reach the tensor cores as FP8 e4m3: every INT4 value -8..7 is an
+// e4m3 number, products of two are integers of magnitude <= 64, and an FP8
+// wgmma sums them into fp32 exactly (a 64-group dot has magnitude <= 4096;
+// measured exact on the H200 up to sums of 2^20, docs/DESIGN.md section 8).
+// FP8 rather than INT8 because the accumulators are already fp32: the
+// per-group rescale is one FMUL and one FFMA per output, where int32 needs a
+// conversion as well, and that rescale, not the tensor core, bounds this GEMM.
+//
+// Per call: the packed qweight is expanded to e4m3 [N, K] row-major and the
+// packed wscales widened to fp32 (same order) in scratch from the caching
+// allocator (one pass over the weight, about 5% of the GEMM at FLUX shapes);
+// then one kernel: TMA loads into a 6-stage ring of 128 x 128 x 128 tiles,
+// one producer warpgroup (one thread issues the copies), two consumer
+// warpgroups of 64 x 128 that take turns on the tensor cores: one rescales a
+// group while the other's MMAs run. Bias and LoRA-up (mma.sync on the model
+// dtype, into the same accumulators) in the epilogue.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace cache_dit::svdq::sm90 {
+
+// Whether this build has the sm_90a kernel and `act`'s device can run it with
+// these operands (sm 9.0; M_pad a multiple of 8; aligned data pointers).
+bool usable(const at::Tensor& act, const at::Tensor& ascales, const std::optional<at::Tensor>& lora_act,
+            const std::optional<at::Tensor>& lora_up, const std::optional<at::Tensor>& bias, const at::Tensor& out);
+
+// out = the op's result; inputs already checked by check_gemm. Launches on
+// the current stream of act's device (the caller holds the device guard).
+void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
+          const std::optional<at::Tensor>& lora_act, const std::optional<at::Tensor>& lora_up,
+          const std::optional<at::Tensor>& bias, at::Tensor& out);
+
+}  // namespace cache_dit::svdq::sm90
