@@ -19,11 +19,6 @@ constexpr const char* kPerTokenDequant = "fp8_comm_per_token_dequant";
 constexpr const char* kQkvQuant = "fp8_comm_qkv_permute_quant";
 constexpr const char* kQkvDequant = "fp8_comm_qkv_permute_dequant";
 
-void check_input(const char* op, const char* name, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.is_cuda() || x.is_meta(), op, ": ", name,
-                    " must be a CUDA tensor, got device ", x.device());
-}
-
 }  // namespace
 
 std::vector<c10::SymInt> per_token_quant_shape(const at::Tensor& x) {
@@ -50,7 +45,7 @@ std::vector<c10::SymInt> qkv_permute_dequant_shape(const at::Tensor& quant_x) {
 
 void check_per_token_quant(const at::Tensor& x, const at::Tensor* out) {
   const char* op = kPerTokenQuant;
-  check_input(op, "x", x);
+  checks::check_device(op, "x", x);
   checks::check_min_dims(op, "x", x, 1, "[..., D]");
   checks::check_dtype(op, "x", x, at::kBFloat16);
   TORCH_CHECK_VALUE(x.sym_size(-1) >= 1, op, ": the last dim D must be >= 1, got shape ",
@@ -63,7 +58,7 @@ void check_per_token_quant(const at::Tensor& x, const at::Tensor* out) {
 
 void check_per_token_dequant(const at::Tensor& x, const at::Tensor* out) {
   const char* op = kPerTokenDequant;
-  check_input(op, "x", x);
+  checks::check_device(op, "x", x);
   checks::check_min_dims(op, "x", x, 1, "[..., D + 2]");
   checks::check_dtype(op, "x", x, at::kFloat8_e4m3fn);
   TORCH_CHECK_VALUE(x.sym_size(-1) >= 1 + kPerTokenScaleBytes, op,
@@ -76,7 +71,7 @@ void check_per_token_dequant(const at::Tensor& x, const at::Tensor* out) {
 
 void check_qkv_permute_quant(const at::Tensor& x, const at::Tensor* out) {
   const char* op = kQkvQuant;
-  check_input(op, "x", x);
+  checks::check_device(op, "x", x);
   checks::check_dims(op, "x", x, 5, "[B, S, P, N, D]");
   checks::check_dtype(op, "x", x, at::kBFloat16);
   TORCH_CHECK_VALUE(x.sym_size(4) >= 1, op, ": head dim D must be >= 1, got shape ",
@@ -94,7 +89,7 @@ void check_qkv_permute_quant(const at::Tensor& x, const at::Tensor* out) {
 
 void check_qkv_permute_dequant(const at::Tensor& quant_x, const at::Tensor* out) {
   const char* op = kQkvDequant;
-  check_input(op, "quant_x", quant_x);
+  checks::check_device(op, "quant_x", quant_x);
   checks::check_dims(op, "quant_x", quant_x, 4, "[S, B, N, D + 4]");
   checks::check_dtype(op, "quant_x", quant_x, at::kFloat8_e4m3fn);
   TORCH_CHECK_VALUE(quant_x.sym_size(3) >= 1 + kQkvScaleBytes, op,

@@ -68,10 +68,13 @@ void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
                     " (call .contiguous() first)");
 }
 
+void check_device(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_cuda() || t.is_meta(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+}
+
 void check_same_device(const char* op, const at::Tensor& ref, const char* ref_name,
                        std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
-  TORCH_CHECK_VALUE(ref.is_cuda() || ref.is_meta(), op, ": ", ref_name,
-                    " must be a CUDA tensor, got device ", ref.device());
+  check_device(op, ref_name, ref);
   for (const auto& [name, t] : others) {
     TORCH_CHECK_VALUE(t->device() == ref.device(), op, ": ", name, " is on ", t->device(),
                       " but ", ref_name, " is on ", ref.device());

@@ -46,6 +46,9 @@ void check_dtype_in(const char* op, const char* name, const at::Tensor& t,
 // Dense row-major layout (size-1 dims may carry any stride).
 void check_contiguous(const char* op, const char* name, const at::Tensor& t);
 
+// A CUDA (or Meta) tensor, else "op: name must be a CUDA tensor, got device cpu".
+void check_device(const char* op, const char* name, const at::Tensor& t);
+
 // Every tensor on `ref`'s device (and CUDA or Meta).
 void check_same_device(const char* op, const at::Tensor& ref, const char* ref_name,
                        std::initializer_list<std::pair<const char*, const at::Tensor*>> others);

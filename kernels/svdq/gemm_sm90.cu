@@ -363,9 +363,10 @@ bool usable(const at::Tensor& act, const at::Tensor& ascales, const std::optiona
 #endif
 }
 
+template <typename T, typename Out>
 void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
           const std::optional<at::Tensor>& lora_act, const std::optional<at::Tensor>& lora_up,
-          const std::optional<at::Tensor>& bias, at::Tensor& out) {
+          const std::optional<at::Tensor>& bias, Out* out) {
   const int64_t m_pad = act.size(0), k = act.size(1), n = wgt.size(0), groups = k / 64;
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -375,6 +376,9 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   const int64_t units = n * k / 8;
   expand_wgt_kernel<<<static_cast<unsigned>(cuda::ceil_div(units, 256)), 256, 0, stream>>>(
       static_cast<const uint32_t*>(wgt.data_ptr()), static_cast<uint2*>(wq8.data_ptr()), n, k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  widen_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(groups * n, 256)), 256, 0, stream>>>(
+      reinterpret_cast<const T*>(wscales.data_ptr()), static_cast<float*>(ws32.data_ptr()), groups * n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const CUtensorMap tm_act = tensor_map(act.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, m_pad, kBK, kBM,
@@ -386,38 +390,30 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kBN, groups * n / kBN,
                                        kBN, 2, CU_TENSOR_MAP_SWIZZLE_NONE);
   const dim3 grid(static_cast<unsigned>(n / kBN), static_cast<unsigned>(cuda::ceil_div(m_pad, kBM)));
-
-  auto run = [&](auto t_tag, auto* o) {
-    using T = decltype(t_tag);
-    using Out = std::remove_pointer_t<decltype(o)>;
-    widen_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(groups * n, 256)), 256, 0, stream>>>(
-        reinterpret_cast<const T*>(wscales.data_ptr()), static_cast<float*>(ws32.data_ptr()), groups * n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    auto* kernel = gemm_kernel<T, Out>;
-    static std::once_flag once;  // one per instantiation
-    std::call_once(once, [&] {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kSmemBytes)));
-    });
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-        tm_act, tm_wgt, tm_as, tm_ws, lora_act ? static_cast<const float*>(lora_act->data_ptr()) : nullptr,
-        lora_up ? reinterpret_cast<const T*>(lora_up->data_ptr()) : nullptr,
-        bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr, o, static_cast<int>(m_pad),
-        static_cast<int>(n), static_cast<int>(k), static_cast<int>(rank));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  auto with_out = [&](auto t_tag) {
-    switch (out.scalar_type()) {
-      case at::kHalf: run(t_tag, reinterpret_cast<__half*>(out.data_ptr())); break;
-      case at::kBFloat16: run(t_tag, reinterpret_cast<__nv_bfloat16*>(out.data_ptr())); break;
-      default: run(t_tag, static_cast<float*>(out.data_ptr())); break;
-    }
-  };
-  if (wscales.scalar_type() == at::kHalf) {
-    with_out(__half{});
-  } else {
-    with_out(__nv_bfloat16{});
-  }
+  auto* kernel = gemm_kernel<T, Out>;
+  static std::once_flag once;  // one per instantiation
+  std::call_once(once, [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kSmemBytes)));
+  });
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(
+      tm_act, tm_wgt, tm_as, tm_ws, lora_act ? static_cast<const float*>(lora_act->data_ptr()) : nullptr,
+      lora_up ? reinterpret_cast<const T*>(lora_up->data_ptr()) : nullptr,
+      bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr, out, static_cast<int>(m_pad),
+      static_cast<int>(n), static_cast<int>(k), static_cast<int>(rank));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+#define CACHE_DIT_SVDQ_SM90_GEMM(T, Out)                                                                        \
+  template void gemm<T, Out>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,     \
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,              \
+                             const std::optional<at::Tensor>&, Out*);
+CACHE_DIT_SVDQ_SM90_GEMM(__half, __half)
+CACHE_DIT_SVDQ_SM90_GEMM(__half, __nv_bfloat16)
+CACHE_DIT_SVDQ_SM90_GEMM(__half, float)
+CACHE_DIT_SVDQ_SM90_GEMM(__nv_bfloat16, __half)
+CACHE_DIT_SVDQ_SM90_GEMM(__nv_bfloat16, __nv_bfloat16)
+CACHE_DIT_SVDQ_SM90_GEMM(__nv_bfloat16, float)
+#undef CACHE_DIT_SVDQ_SM90_GEMM
 
 }  // namespace cache_dit::svdq::sm90

@@ -33,10 +33,12 @@ namespace cache_dit::svdq::sm90 {
 bool usable(const at::Tensor& act, const at::Tensor& ascales, const std::optional<at::Tensor>& lora_act,
             const std::optional<at::Tensor>& lora_up, const std::optional<at::Tensor>& bias, const at::Tensor& out);
 
-// out = the op's result; inputs already checked by check_gemm. Launches on
-// the current stream of act's device (the caller holds the device guard).
+// out = the op's result, T the model dtype (__half or __nv_bfloat16), Out the
+// output's (T's two or float); inputs already checked by check_gemm. Launches
+// on the current stream of act's device (the caller holds the device guard).
+template <typename T, typename Out>
 void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
           const std::optional<at::Tensor>& lora_act, const std::optional<at::Tensor>& lora_up,
-          const std::optional<at::Tensor>& bias, at::Tensor& out);
+          const std::optional<at::Tensor>& bias, Out* out);
 
 }  // namespace cache_dit::svdq::sm90

@@ -20,10 +20,6 @@ constexpr const char* kActQuant = "svdq_quantize_w4a4_act_fuse_lora";
 constexpr const char* kGemm = "svdq_gemm_w4a4";
 constexpr const char* kWgtQuant = "svdq_quantize_w4a4_wgt";
 
-void check_device(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.is_cuda() || t.is_meta(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
-}
-
 void check_int4_only(const char* op, bool fp4, const char* flag, bool value) {
   TORCH_CHECK_VALUE(!fp4, op, ": fp4=True is not supported: this build serves INT4 only (NVFP4 needs FP4 tensor "
                     "cores, which sm_90 has not)");
@@ -89,7 +85,7 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
                         const ActQuantOutputs* outs) {
   const char* op = kActQuant;
   check_int4_only(op, fp4, "fuse_glu", fuse_glu);
-  check_device(op, "input", input);
+  checks::check_device(op, "input", input);
   checks::check_dims(op, "input", input, 2, "[M, K]");
   checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
   checks::check_contiguous(op, "input", input);
@@ -123,7 +119,7 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
   TORCH_CHECK_VALUE(alpha == 1.0, op, ": alpha must be 1.0 for INT4 (it scales NVFP4 only), got ", alpha);
   TORCH_CHECK_VALUE(!wcscales, op, ": wcscales must be None for INT4 (it scales NVFP4 only)");
   const at::ScalarType out_dtype = gemm_out_dtype(out_dtype_id);
-  check_device(op, "act", act);
+  checks::check_device(op, "act", act);
   checks::check_dims(op, "act", act, 2, "[M_pad, K] (from svdq_quantize_w4a4_act_fuse_lora)");
   checks::check_dtype(op, "act", act, kActDtype);
   checks::check_contiguous(op, "act", act);
@@ -175,7 +171,7 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
 
 void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const at::Tensor* oscales) {
   const char* op = kWgtQuant;
-  check_device(op, "input", input);
+  checks::check_device(op, "input", input);
   checks::check_dims(op, "input", input, 2, "[N, K]");
   checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
   checks::check_contiguous(op, "input", input);

@@ -235,10 +235,7 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   if (m_pad == 0) return;
   const c10::cuda::CUDAGuard guard(act.device());
-  if (!portable_gemm_forced() && sm90::usable(act, ascales, lora_act_in, lora_up, bias, out)) {
-    sm90::gemm(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, out);
-    return;
-  }
+  const bool tensor_cores = !portable_gemm_forced() && sm90::usable(act, ascales, lora_act_in, lora_up, bias, out);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 block(16, 16);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, 16)), static_cast<unsigned>(cuda::ceil_div(m_pad, 16)));
@@ -246,6 +243,10 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
     using T = decltype(tag);
     auto launch = [&](auto* o) {
       using Out = std::remove_pointer_t<decltype(o)>;
+      if (tensor_cores) {
+        sm90::gemm<T, Out>(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, o);
+        return;
+      }
       gemm_kernel<T, Out><<<grid, block, 0, stream>>>(
           static_cast<const uint8_t*>(act.data_ptr()), static_cast<const int32_t*>(wgt.data_ptr()),
           reinterpret_cast<const T*>(ascales.data_ptr()), reinterpret_cast<const T*>(wscales.data_ptr()),

@@ -40,9 +40,13 @@ def check_contiguous(op: str, name: str, t) -> None:
                          f"{shape_str(t.stride())} (call .contiguous() first)")
 
 
+def check_device(op: str, name: str, t) -> None:
+    if t.device.type not in ("cuda", "meta"):
+        raise ValueError(f"{op}: {name} must be a CUDA tensor, got device {t.device}")
+
+
 def check_same_device(op: str, ref, ref_name: str, others) -> None:
-    if ref.device.type not in ("cuda", "meta"):
-        raise ValueError(f"{op}: {ref_name} must be a CUDA tensor, got device {ref.device}")
+    check_device(op, ref_name, ref)
     for name, t in others:
         if t.device != ref.device:
             raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")

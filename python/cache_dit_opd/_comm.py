@@ -57,15 +57,10 @@ def _get_required_comm_session(device=None) -> "_session.Session":
 # -- validation and output shapes (shared by the proxy impls and the fakes) -------------------
 
 
-def _check_input(op: str, name: str, x) -> None:
-    if x.device.type not in ("cuda", "meta"):
-        raise ValueError(f"{op}: {name} must be a CUDA tensor, got device {x.device}")
-
-
 def _per_token_quant_meta(x, out=None):
     """check_per_token_quant (kernels/comm/fp8_comm.cpp): the output's shape and dtype."""
     op = "fp8_comm_per_token_quant"
-    _check_input(op, "x", x)
+    _checks.check_device(op, "x", x)
     _checks.check_min_dims(op, "x", x, 1, "[..., D]")
     _checks.check_dtype(op, "x", x, torch.bfloat16)
     if x.shape[-1] < 1:
@@ -80,7 +75,7 @@ def _per_token_quant_meta(x, out=None):
 def _per_token_dequant_meta(x, out=None):
     """check_per_token_dequant."""
     op = "fp8_comm_per_token_dequant"
-    _check_input(op, "x", x)
+    _checks.check_device(op, "x", x)
     _checks.check_min_dims(op, "x", x, 1, "[..., D + 2]")
     _checks.check_dtype(op, "x", x, _FP8)
     if x.shape[-1] < 1 + _PER_TOKEN_SCALE_BYTES:
@@ -95,7 +90,7 @@ def _per_token_dequant_meta(x, out=None):
 def _qkv_permute_quant_meta(x, out=None):
     """check_qkv_permute_quant."""
     op = "fp8_comm_qkv_permute_quant"
-    _check_input(op, "x", x)
+    _checks.check_device(op, "x", x)
     _checks.check_dims(op, "x", x, 5, "[B, S, P, N, D]")
     _checks.check_dtype(op, "x", x, torch.bfloat16)
     b, s, p, n, d = x.shape
@@ -113,7 +108,7 @@ def _qkv_permute_quant_meta(x, out=None):
 def _qkv_permute_dequant_meta(quant_x, out=None):
     """check_qkv_permute_dequant."""
     op = "fp8_comm_qkv_permute_dequant"
-    _check_input(op, "quant_x", quant_x)
+    _checks.check_device(op, "quant_x", quant_x)
     _checks.check_dims(op, "quant_x", quant_x, 4, "[S, B, N, D + 4]")
     _checks.check_dtype(op, "quant_x", quant_x, _FP8)
     s, b, n, d4 = quant_x.shape

@@ -67,11 +67,6 @@ def _check_int4_only(op, fp4, flag, value):
         raise ValueError(f"{op}: {flag}=True is not supported: this build serves signed INT4 without it")
 
 
-def _check_device(op, name, t):
-    if t.device.type not in ("cuda", "meta"):
-        raise ValueError(f"{op}: {name} must be a CUDA tensor, got device {t.device}")
-
-
 def _check_multiple(op, what, v, of, t):
     if v % of != 0:
         raise ValueError(f"{op}: {what} must be a multiple of {of}, got {v} (shape {_checks.shape_str(t.shape)})")
@@ -105,7 +100,7 @@ def _act_meta(input, lora_down, smooth, fuse_glu, fp4, pad_size, outs=None):
     """check_quantize_act; returns the outputs' (shape, dtype)s."""
     op = _ACT
     _check_int4_only(op, fp4, "fuse_glu", fuse_glu)
-    _check_device(op, "input", input)
+    _checks.check_device(op, "input", input)
     _checks.check_dims(op, "input", input, 2, "[M, K]")
     _checks.check_dtype_in(op, "input", input, _HALVES)
     _checks.check_contiguous(op, "input", input)
@@ -138,7 +133,7 @@ def _gemm_meta(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alph
         raise ValueError(f"{op}: wcscales must be None for INT4 (it scales NVFP4 only)")
     if not 0 <= out_dtype_id <= 2:
         raise ValueError(f"{op}: out_dtype_id must be 0 (float16), 1 (bfloat16) or 2 (float32), got {out_dtype_id}")
-    _check_device(op, "act", act)
+    _checks.check_device(op, "act", act)
     _checks.check_dims(op, "act", act, 2, "[M_pad, K] (from svdq_quantize_w4a4_act_fuse_lora)")
     _checks.check_dtype(op, "act", act, torch.float8_e4m3fn)
     _checks.check_contiguous(op, "act", act)
@@ -187,7 +182,7 @@ def _gemm_meta(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alph
 def _wgt_meta(input, outs=None):
     """check_quantize_wgt; returns the outputs' (shape, dtype)s."""
     op = _WGT
-    _check_device(op, "input", input)
+    _checks.check_device(op, "input", input)
     _checks.check_dims(op, "input", input, 2, "[N, K]")
     _checks.check_dtype_in(op, "input", input, _HALVES)
     _checks.check_contiguous(op, "input", input)
