@@ -36,11 +36,7 @@ def attn_extension_is_available(device=None) -> bool:
 
 def attn_get_load_error(device=None) -> Exception | None:
     """Why the attn ops are unavailable for ``device``, or None. Opens the session if needed."""
-    try:
-        _get_required_attn_session(device)
-    except (RuntimeError, ValueError) as e:
-        return e
-    return None
+    return _session.load_error(_FAMILY, _SCHEMAS, device)
 
 
 def _get_required_attn_session(device=None) -> "_session.Session":

@@ -42,11 +42,7 @@ def comm_extension_is_available(device=None) -> bool:
 
 def comm_get_load_error(device=None) -> Exception | None:
     """Why the comm ops are unavailable for ``device``, or None. Opens the session if needed."""
-    try:
-        _get_required_comm_session(device)
-    except (RuntimeError, ValueError) as e:
-        return e
-    return None
+    return _session.load_error(_FAMILY, _SCHEMAS, device)
 
 
 def _get_required_comm_session(device=None) -> "_session.Session":

@@ -822,6 +822,15 @@ def require(family: str, schemas: dict, device=None) -> Session:
     return s
 
 
+def load_error(family: str, schemas: dict, device=None) -> Exception | None:
+    """Why ``require`` fails for ``device`` (the error it raises), or None. Opens the session if needed."""
+    try:
+        require(family, schemas, device)
+    except (RuntimeError, ValueError) as e:
+        return e
+    return None
+
+
 def current_stream_is_capturing(device_index: int) -> bool:
     import torch
 

@@ -45,11 +45,7 @@ def svdq_extension_is_available(device=None) -> bool:
 
 def svdq_get_load_error(device=None) -> Exception | None:
     """Why the svdq ops are unavailable for ``device``, or None. Opens the session if needed."""
-    try:
-        _get_required_svdq_session(device)
-    except (RuntimeError, ValueError) as e:
-        return e
-    return None
+    return _session.load_error(_FAMILY, _SCHEMAS, device)
 
 
 def _get_required_svdq_session(device=None) -> "_session.Session":
