@@ -15,6 +15,7 @@
 #include "common/call_proto.h"
 #include "common/cuda/device_guard.h"
 #include "common/cuda/driver_api.h"
+#include "common/view_extent.h"
 
 namespace cache_dit_opd::client {
 
@@ -59,6 +60,18 @@ bool RingWantedByEnv() {
   if (v == nullptr) return true;
   const std::string s(v);
   return !(s == "0" || s == "false" || s == "off" || s == "no");
+}
+
+// The regions a call names, in argument order (views without one, kNoRegion,
+// left out).
+std::vector<uint64_t> RegionsOf(const std::vector<cache_dit_opd::Arg>& args) {
+  std::vector<uint64_t> ids;
+  for (const cache_dit_opd::Arg& a : args) {
+    if (const auto* t = std::get_if<TensorRef>(&a); t != nullptr && t->region_id != kNoRegion) {
+      ids.push_back(t->region_id);
+    }
+  }
+  return ids;
 }
 
 std::string OpName(std::string_view op, std::string_view overload) {
@@ -278,15 +291,19 @@ Status Session::Prepare(std::string_view op, std::string_view overload, const st
       return Status::Ok();
     };
     if (const auto* t = std::get_if<TensorView>(&arg)) {
-      if (t->data == nullptr) {
-        return Status::Rejected(Reason::kBadArgument, name, ": tensor argument ", i, " has no data pointer");
-      }
       const std::string where = name + ": tensor argument " + std::to_string(i) + ": ";
-      ResolvedRegion region;
-      Status s = engine_->ResolveRegion(t->data, &region);
-      if (!s.ok()) return s.Annotated(where);
       TensorRef ref;
-      s = MakeTensorRef(*t, region.alloc, region.region_id, &ref);
+      Status s;
+      if (HasNoElements(t->sizes)) {
+        // No memory to name (its pointer may well be null): region kNoRegion.
+        s = MakeEmptyTensorRef(*t, &ref);
+      } else if (t->data == nullptr) {
+        return Status::Rejected(Reason::kBadArgument, name, ": tensor argument ", i, " has no data pointer");
+      } else {
+        ResolvedRegion region;
+        s = engine_->ResolveRegion(t->data, &region);
+        if (s.ok()) s = MakeTensorRef(*t, region.alloc, region.region_id, &ref);
+      }
       if (!s.ok()) return s.Annotated(where);
       call.args.emplace_back(std::move(ref));
     } else if (std::holds_alternative<NoneArg>(arg)) {
@@ -331,10 +348,7 @@ Status Session::Issue(PreparedCall& call, cudaStream_t stream, const CallOptions
   Status s;
   if (call.ring_) {
     CallAnswer answer;
-    std::vector<uint64_t> regions;
-    for (const cache_dit_opd::Arg& a : call.call_.args) {
-      if (const auto* t = std::get_if<TensorRef>(&a)) regions.push_back(t->region_id);
-    }
+    const std::vector<uint64_t> regions = RegionsOf(call.call_.args);
     s = engine_->CallRing(stream, call.op_index_, call.record_, /*asynchronous=*/false, regions, io, &answer);
     if (s.ok()) s = answer.status().Annotated("Call " + name + ": ");
   } else {
@@ -473,11 +487,7 @@ bool Client::Recover(const std::shared_ptr<Session>& s, const PreparedCall& call
     case v1::ClientAction::kReregister: {
       // The daemon no longer knows a region of this call (evicted): forget
       // the call's cached allocations so that preparing again registers them.
-      std::vector<uint64_t> ids;
-      for (const cache_dit_opd::Arg& a : call.call_.args) {
-        if (const auto* t = std::get_if<TensorRef>(&a)) ids.push_back(t->region_id);
-      }
-      s->engine().regions().ForgetIds(ids);
+      s->engine().regions().ForgetIds(RegionsOf(call.call_.args));
       return true;
     }
     case v1::ClientAction::kReconnect:

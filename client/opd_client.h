@@ -39,6 +39,11 @@
 //     buffer id). Freeing memory is the caller's business: call
 //     ForgetAllocation(ptr) (or PruneRegions()) after freeing so the daemon's
 //     mapping stops pinning it.
+//   - An empty tensor (a size of 0) touches no memory: its data pointer is
+//     ignored (null is fine), nothing is registered, and it travels as
+//     region 0 (wire.h kNoRegion). The call still runs when another of its
+//     outputs has elements; a call none of whose outputs has an element is
+//     checked by the daemon and writes nothing.
 //
 // Failure contract:
 //   - Errors are Status values (common/status.h), never exceptions, each

@@ -10,7 +10,9 @@
 // A tensor never travels: a `TensorRef` names bytes inside a region (a client
 // allocation the session registered and the daemon mapped) plus the view
 // metadata. The daemon checks that every byte the op will touch lies inside
-// that region before anything is launched.
+// that region before anything is launched. An empty view (a size of 0) needs
+// no memory: it travels in region kNoRegion (0, never a registered id) at
+// byte offset 0, and nothing is registered for it (wire.h kNoRegion).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +37,7 @@ using v1::kDTypeCount;
 using v1::kMaxArgs;
 using v1::kMaxListLength;
 using v1::kMaxTensorDims;
+using v1::kNoRegion;
 
 // Bytes per element; 0 for kUnspecified or a value outside the protocol.
 int64_t DTypeSize(DType dtype);
@@ -42,7 +45,9 @@ int64_t DTypeSize(DType dtype);
 std::string DTypeName(DType dtype);
 
 struct TensorRef {
-  uint64_t region_id = 0;      // from RegisterRegion, scoped to the session
+  // From RegisterRegion, scoped to the session; kNoRegion only for a view
+  // with no element (some size 0), and then byte_offset is 0.
+  uint64_t region_id = kNoRegion;
   uint64_t byte_offset = 0;    // from the region's base to element [0, ..., 0]
   std::vector<int64_t> sizes;  // elements per dim, each >= 0
   std::vector<int64_t> strides;  // elements per dim; same rank as sizes

@@ -4,7 +4,8 @@
 // overflow-checked formula behind the daemon's bounds check
 // (server/dispatch/torch_call_runner.cc), the C++ client's early check
 // (client/core/regions.cc) and the native proxy kernels
-// (client/python/proxy_kernel.cpp). Plain C++, header-only.
+// (client/python/proxy_kernel.cpp); HasNoElements: which views travel
+// without a region (wire.h kNoRegion). Plain C++, header-only.
 #pragma once
 
 #include <cstddef>
@@ -12,6 +13,18 @@
 #include <span>
 
 namespace cache_dit_opd {
+
+// HasNoElements
+//
+// True when some size is 0: the view has no element, addresses no byte and
+// travels in region kNoRegion (wire.h). A 0-dim view (no sizes) has one
+// element.
+inline bool HasNoElements(std::span<const int64_t> sizes) {
+  for (const int64_t s : sizes) {
+    if (s == 0) return true;
+  }
+  return false;
+}
 
 // ViewExtentBytes
 //

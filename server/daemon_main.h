@@ -35,7 +35,7 @@ class DeviceBackend {
   virtual Status LoadOpLibrary(const std::string& path) = 0;
   // The ops the daemon serves, sorted by (name, overload).
   virtual std::vector<OpInfo> ListOps() = 0;
-  // Runs the calls; lives as long as the backend.
+  // Runs the calls; valid once Open succeeded, lives as long as the backend.
   virtual CallRunner* runner() = 0;
 };
 

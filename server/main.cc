@@ -28,14 +28,16 @@ class CudaBackend final : public DeviceBackend {
     OPD_RETURN_IF_ERROR(cuda::CudaDeviceOps::Create(device.index, &cuda_ops));
     *ops = std::move(cuda_ops);
     *opener = std::make_unique<cuda::IpcRegionOpener>(device.index);
+    // The device a call without any region tensor (only empty ones) runs on.
+    runner_ = std::make_unique<TorchCallRunner>(TorchCallRunner::Device::kCuda, device.index);
     return Status::Ok();
   }
   Status LoadOpLibrary(const std::string& path) override { return TorchCallRunner::LoadOpLibrary(path); }
   std::vector<OpInfo> ListOps() override { return TorchCallRunner::ListOps(); }
-  CallRunner* runner() override { return &runner_; }
+  CallRunner* runner() override { return runner_.get(); }
 
  private:
-  TorchCallRunner runner_{TorchCallRunner::Device::kCuda};
+  std::unique_ptr<TorchCallRunner> runner_;  // made by Open, for the opened device
 };
 
 }  // namespace

@@ -78,6 +78,22 @@ Status MakeTensorRef(const TensorView& view, const AllocationInfo& alloc, uint64
   return Status::Ok();
 }
 
+Status MakeEmptyTensorRef(const TensorView& view, TensorRef* out) {
+  const std::vector<int64_t> strides = view.strides.empty() ? ContiguousStrides(view.sizes) : view.strides;
+  uint64_t extent = 0;
+  OPD_RETURN_IF_ERROR(ViewExtentBytes(view.sizes, strides, view.dtype, &extent));
+  if (!HasNoElements(view.sizes)) {
+    return Status::InvalidArgument("tensor of sizes ", Dims(view.sizes),
+                                   " has elements: only an empty view travels without a region");
+  }
+  out->region_id = kNoRegion;
+  out->byte_offset = 0;
+  out->sizes = view.sizes;
+  out->strides = strides;
+  out->dtype = view.dtype;
+  return Status::Ok();
+}
+
 RegionCache::RegionCache(AllocationBackend* backend, RegionRegistrar* registrar, int device)
     : backend_(backend), registrar_(registrar), device_(device) {}
 

@@ -34,7 +34,9 @@ using ::cache_dit_opd::DType;
 //
 // A tensor in client GPU memory as the caller describes it: the address of
 // element [0, ..., 0], sizes and strides in elements (strides empty means
-// contiguous row-major), and the wire dtype. Strides must be >= 0.
+// contiguous row-major), and the wire dtype. Strides must be >= 0. A view
+// with no element (a size of 0) touches no memory: its address is ignored
+// (it may be null) and it travels without a region (MakeEmptyTensorRef).
 struct TensorView {
   void* data = nullptr;
   std::vector<int64_t> sizes;
@@ -73,6 +75,14 @@ Status ViewExtentBytes(const std::vector<int64_t>& sizes, const std::vector<int6
 // error.
 Status MakeTensorRef(const TensorView& view, const AllocationInfo& alloc, uint64_t region_id,
                      TensorRef* out);
+
+// MakeEmptyTensorRef
+//
+// The wire form of a view with no element (HasNoElements(view.sizes)):
+// region kNoRegion, byte offset 0, whatever view.data is (wire.h); nothing
+// is looked up or registered. INVALID_ARGUMENT for a view with an element
+// or malformed sizes, strides or dtype.
+Status MakeEmptyTensorRef(const TensorView& view, TensorRef* out);
 
 // AllocationBackend
 //

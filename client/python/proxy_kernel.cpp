@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <shared_mutex>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -90,15 +91,22 @@ bool TryNative(const c10::OperatorHandle& op, const OpPlan& plan, torch::jit::St
     if (a.isTensor()) {
       const at::Tensor& t = a.toTensor();
       const auto dtype = ToWireDType(t.scalar_type());
-      uint64_t nbytes = 0, region = 0, offset = 0;
-      // Empty tensors, other devices and odd layouts take the Python path,
-      // which checks and reports them.
-      if (!t.is_cuda() || t.get_device() != device || !dtype || t.numel() == 0 || !ViewBytes(t, &nbytes)) {
+      uint64_t nbytes = 0, region = kNoRegion, offset = 0;
+      // Other devices and odd layouts take the Python path, which checks and
+      // reports them.
+      if (!t.is_cuda() || t.get_device() != device || !dtype || !ViewBytes(t, &nbytes)) {
         return fallback(ProxyFallback::kArgument);
       }
-      if (!engine.FindRegion(t.data_ptr(), nbytes, &region, &offset)) return fallback(ProxyFallback::kRegionMiss);
+      // An empty tensor names no memory (its data pointer is usually null):
+      // it travels as region kNoRegion at offset 0 and pins no region. The
+      // daemon decides whether the call has anything to write.
+      if (!HasNoElements(std::span<const int64_t>(t.sizes().data(), t.sizes().size()))) {
+        if (!engine.FindRegion(t.data_ptr(), nbytes, &region, &offset)) {
+          return fallback(ProxyFallback::kRegionMiss);
+        }
+        regions[nregions++] = region;
+      }
       ok = record.AddTensor(region, offset, *dtype, t.dim(), t.sizes().data(), t.strides().data());
-      regions[nregions++] = region;
     } else if (a.isNone()) {
       ok = record.AddNone();
     } else if (a.isBool()) {

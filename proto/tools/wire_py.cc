@@ -106,6 +106,7 @@ int main() {
   Const("MAX_TENSOR_DIMS", v1::kMaxTensorDims, "kMaxTensorDims");
   Const("MAX_ARGS", v1::kMaxArgs, "kMaxArgs");
   Const("MAX_LIST_LENGTH", v1::kMaxListLength, "kMaxListLength");
+  Const("NO_REGION", v1::kNoRegion, "kNoRegion: the region id of an empty view (no memory)");
   std::printf("# ClientAction: what a client does about an error (wire.h)\nACTIONS = {\n");
 #define CACHE_DIT_OPD_X(e, v, name) std::printf("    \"%s\": %d,\n", name, v);
   CACHE_DIT_OPD_CLIENT_ACTIONS(CACHE_DIT_OPD_X)

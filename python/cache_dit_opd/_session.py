@@ -419,15 +419,18 @@ class Session:
             timeout=CONNECT_TIMEOUT_S)
 
     def _tensor_ref(self, t, pinned: set) -> tuple:
-        """(region_id, byte_offset, sizes, strides, dtype) of a CUDA tensor of this session's device."""
+        """(region_id, byte_offset, sizes, strides, dtype) of a CUDA tensor of this session's device.
+
+        An empty tensor names no memory (its data pointer is usually 0, inside no allocation): region
+        ``_wire.NO_REGION`` at offset 0, nothing registered or pinned (wire.h kNoRegion)."""
         dtype = _wire.DTYPE_IDS.get(str(t.dtype).rsplit(".", 1)[-1])
         if dtype is None:
             raise ValueError(f"cache_dit_opd: dtype {t.dtype} cannot be sent to the daemon")
         sizes, strides = tuple(t.shape), tuple(t.stride())
         if t.numel() == 0:
-            nbytes = 0
-        else:  # the span from the first to the last element the view covers
-            nbytes = (sum((s - 1) * st for s, st in zip(sizes, strides)) + 1) * t.element_size()
+            return _wire.NO_REGION, 0, sizes, strides, dtype
+        # the span from the first to the last element the view covers
+        nbytes = (sum((s - 1) * st for s, st in zip(sizes, strides)) + 1) * t.element_size()
         region_id, offset = self.regions.ref(t.data_ptr(), nbytes, pinned)
         return region_id, offset, sizes, strides, dtype
 
@@ -598,13 +601,14 @@ class _RetryBudget:
         return not spent
 
 
-def _out_is_empty(args: Sequence[Any]) -> bool:
-    return any(hasattr(a, "numel") and a.numel() == 0 for a in args)
-
-
 def run(get_required: Callable[[int], Session], device_index: int, op: str, args: Sequence[Any],
         again: Callable[[], Any] | None = None) -> None:
     """Runs ``op.out(*args)`` for a proxy op's Python implementation.
+
+    Every call goes to the daemon, empty tensors included (they travel without memory, region
+    ``_wire.NO_REGION``): whether a call has anything to write is the daemon's one rule (a call none of
+    whose outputs has an element is checked and launches nothing; server/dispatch/torch_call_runner.h),
+    the same for this path, the native kernels and the C++ client.
 
     With the native engine (``again`` re-dispatches the op to its native kernel): acts on why the native
     kernel handed the call here (opens a session, registers allocations, raises the daemon's rejection,
@@ -634,8 +638,7 @@ def run(get_required: Callable[[int], Session], device_index: int, op: str, args
         s = get_required(device_index)  # opens or reopens the session, checks the catalog (activating it)
         if s.native is None:  # a session without the engine (no ring: CACHE_DIT_OPD_RING=0, --no-ring)
             return _run_host_ordered(get_required, device_index, op, label, args)
-        if not _act_on_fallback(s, why, err, op, label, device_index, args, budget):
-            return
+        _act_on_fallback(s, why, err, op, label, device_index, args, budget)
     except SessionFailedError as e:  # registering found the session gone: dispatching again reconnects
         if not e.retryable or not budget.reconnect():
             raise
@@ -647,11 +650,9 @@ def run(get_required: Callable[[int], Session], device_index: int, op: str, args
 
 
 def _act_on_fallback(s: Session, why: str, err, op: str, label: str, device_index: int, args,
-                     budget: _RetryBudget) -> bool:
-    """Does what the native kernel's reason for handing a call back asks of the (re)opened session ``s``.
-
-    False when the call has nothing left to do (an empty output), else dispatch it again.
-    """
+                     budget: _RetryBudget) -> None:
+    """Does what the native kernel's reason for handing a call back asks of the (re)opened session ``s``, so
+    that the call can be dispatched again; raises when it cannot run."""
     if why == "pending_errors":
         errs = s.async_errors()
         if errs:
@@ -661,8 +662,6 @@ def _act_on_fallback(s: Session, why: str, err, op: str, label: str, device_inde
 
         check_not_capturing(op, device_index)
     elif why == "argument":
-        if _out_is_empty(args):
-            return False  # an empty tensor: nothing to compute
         raise ValueError(f"{label}: an argument cannot be sent to the daemon (a tensor of another device, an "
                          f"unsupported dtype, or an argument type the protocol does not carry)")
     elif why == "region_miss":
@@ -673,12 +672,9 @@ def _act_on_fallback(s: Session, why: str, err, op: str, label: str, device_inde
             s.register(args)
         elif err.action not in (_errors.RECONNECT, _errors.FAIL):
             _errors.raise_for(label, err)
-    return True
 
 
 def _run_host_ordered(get_required, device_index: int, op: str, label: str, args: Sequence[Any]) -> None:
-    if _out_is_empty(args):
-        return
     budget = _RetryBudget()
     while True:
         s = get_required(device_index)

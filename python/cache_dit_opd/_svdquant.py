@@ -212,6 +212,12 @@ def _call(op, device_index, args, positional, outs: dict):
                  _proxy.redispatch(op, tuple(positional), outs))
 
 
+def _writes_something(*outs) -> bool:
+    """Whether some output has an element. Not just the first: K = 0 leaves act and ascales empty while
+    lora_act [M_pad, R] (x @ lora_down, all zeros) is not, and rank 0 the other way round."""
+    return any(t.numel() for t in outs)
+
+
 def _prepare(op, *tensors):
     idx = _proxy.device_index(op, *tensors)
     _proxy.check_not_capturing(op, idx)
@@ -222,7 +228,7 @@ def _act(input, lora_down, smooth, fuse_glu, fp4, pad_size):
     specs = _act_meta(input, lora_down, smooth, fuse_glu, fp4, pad_size)
     _get_required_svdq_session(_prepare(_ACT, *_tensors(input, lora_down, smooth)))
     output, oscales, lora_act_out = _empty(specs, input)
-    if output.numel():
+    if _writes_something(output, oscales, lora_act_out):
         torch.ops.cache_dit_cuda_ops.svdq_quantize_w4a4_act_fuse_lora.out(
             input, lora_down, smooth, fuse_glu, fp4, pad_size, output=output, oscales=oscales,
             lora_act_out=lora_act_out)
@@ -232,7 +238,7 @@ def _act(input, lora_down, smooth, fuse_glu, fp4, pad_size):
 def _act_out(input, lora_down, smooth, fuse_glu, fp4, pad_size, *, output, oscales, lora_act_out):
     _act_meta(input, lora_down, smooth, fuse_glu, fp4, pad_size, (output, oscales, lora_act_out))
     idx = _prepare(f"{_ACT}.out", *_tensors(input, lora_down, smooth, output, oscales, lora_act_out))
-    if output.numel():
+    if _writes_something(output, oscales, lora_act_out):
         args = (input, lora_down, smooth, fuse_glu, fp4, pad_size)
         _call(_ACT, idx, args, args, {"output": output, "oscales": oscales, "lora_act_out": lora_act_out})
     return output, oscales, lora_act_out

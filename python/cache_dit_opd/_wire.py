@@ -38,6 +38,7 @@ DTYPE_COUNT = 12  # kDTypeCount: valid values are 1 .. DTYPE_COUNT - 1
 MAX_TENSOR_DIMS = 8  # kMaxTensorDims
 MAX_ARGS = 32  # kMaxArgs
 MAX_LIST_LENGTH = 64  # kMaxListLength
+NO_REGION = 0  # kNoRegion: the region id of an empty view (no memory)
 # ClientAction: what a client does about an error (wire.h)
 ACTIONS = {
     "raise_value": 1,

@@ -87,10 +87,9 @@ bool MentionsTensor(const c10::Type& type) {
   return false;
 }
 
-// Every byte the view can address lies in the region. Written views must be
-// dense as well: kernels write outputs as if contiguous, so a zero or
-// overlapping stride would let a write leave the checked extent.
-Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
+// What every view must be, with or without a region: rank, dtype, sizes and
+// strides >= 0, an element count that fits int64 (in `*numel`).
+Status CheckShape(const TensorRef& t, int64_t* numel_out) {
   const size_t dims = t.sizes.size();
   if (dims > static_cast<size_t>(kMaxTensorDims)) {
     return Status::InvalidArgument("has ", dims, " dims, at most ", kMaxTensorDims, " allowed");
@@ -118,6 +117,35 @@ Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
                                      ")");
     }
   }
+  *numel_out = numel;
+  return Status::Ok();
+}
+
+// A view in region kNoRegion (wire.h): no memory, so it must have no element
+// and no offset.
+Status CheckNoRegionView(const TensorRef& t) {
+  int64_t numel = 0;
+  OPD_RETURN_IF_ERROR(CheckShape(t, &numel));
+  if (numel != 0) {
+    return Status::InvalidArgument("has sizes ", FormatDims(t.sizes), " (", numel,
+                                   " elements) but no region (region id ", kNoRegion,
+                                   "): only an empty view, with a size of 0, may be sent without memory");
+  }
+  if (t.byte_offset != 0) {
+    return Status::InvalidArgument("is an empty view without a region (region id ", kNoRegion,
+                                   ") but has byte offset ", t.byte_offset, "; it must be 0");
+  }
+  return Status::Ok();
+}
+
+// Every byte the view can address lies in the region. Written views must be
+// dense as well: kernels write outputs as if contiguous, so a zero or
+// overlapping stride would let a write leave the checked extent.
+Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
+  int64_t numel = 0;
+  OPD_RETURN_IF_ERROR(CheckShape(t, &numel));
+  const size_t dims = t.sizes.size();
+  const int64_t itemsize = DTypeSize(t.dtype);
   if (t.byte_offset > region.size) {
     return Status::InvalidArgument("starts at byte offset ", t.byte_offset,
                                    ", past the end of region ", t.region_id, " (", region.size,
@@ -157,10 +185,12 @@ Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
 }
 
 // Decodes one call's arguments against its schema into a boxed stack.
+// `default_device`: the daemon's CUDA ordinal, where the call runs when none
+// of its tensors is in a region.
 class ArgDecoder {
  public:
-  ArgDecoder(const std::string& op_name, const RegionResolver& regions, bool meta)
-      : op_name_(op_name), regions_(regions), meta_(meta) {}
+  ArgDecoder(const std::string& op_name, const RegionResolver& regions, bool meta, int default_device)
+      : op_name_(op_name), regions_(regions), meta_(meta), default_device_(default_device) {}
 
   Status Decode(const c10::FunctionSchema& schema, const std::vector<Arg>& args,
                 std::vector<c10::IValue>* stack) {
@@ -177,14 +207,25 @@ class ArgDecoder {
                                      ", which the daemon cannot decode");
       }
       c10::IValue value;
+      index_ = i;
       OPD_RETURN_IF_ERROR(DecodeValue(param, *param.real_type(), args[i], &value));
       stack->push_back(std::move(value));
     }
+    // Views without a region take the device of the call's other tensors,
+    // whatever their order, or the daemon's when it has none.
+    if (device_ < 0) device_ = default_device_;
+    if (!unplaced_.empty() && (device_ < 0 || device_ > std::numeric_limits<c10::DeviceIndex>::max())) {
+      return Status::Internal(op_name_, ": no valid device (", device_, ") for its empty tensors");
+    }
+    for (const auto& [index, ref] : unplaced_) (*stack)[index] = WrapView(nullptr, *ref, device_);
     return Status::Ok();
   }
 
   std::vector<uint64_t> TakeRegions() { return std::move(region_ids_); }
   int device() const { return device_; }
+  // Whether some tensor the schema marks as written (Tensor(a!)) has an
+  // element: false when the call can write nothing.
+  bool writes_elements() const { return writes_elements_; }
 
  private:
   std::string Where(const c10::Argument& param) const {
@@ -277,14 +318,26 @@ class ArgDecoder {
   }
 
   Status DecodeTensor(const c10::Argument& param, const TensorRef& ref, c10::IValue* out) {
+    const bool written = param.alias_info() != nullptr && param.alias_info()->isWrite();
+    if (ref.region_id == kNoRegion) {
+      // An empty view, no memory (wire.h kNoRegion): no region to resolve
+      // or pin; wrapped once the call's device is known (Decode).
+      if (Status s = CheckNoRegionView(ref); !s.ok()) return s.Annotated(Where(param) + " ");
+      if (meta_) {
+        *out = at::empty_strided(ref.sizes, ref.strides, Options(ref).device(at::kMeta));
+      } else {
+        unplaced_.emplace_back(index_, &ref);
+      }
+      return Status::Ok();
+    }
     MappedRegion region;
     if (Status s = regions_.Resolve(ref.region_id, &region); !s.ok()) {
       return s.Annotated(Where(param) + ": ");
     }
-    const bool written = param.alias_info() != nullptr && param.alias_info()->isWrite();
     if (Status s = CheckView(ref, region, written); !s.ok()) {
       return s.Annotated(Where(param) + " ");
     }
+    writes_elements_ = writes_elements_ || (written && !HasNoElements(ref.sizes));
     if (!meta_) {
       if (region.device < 0 || region.device > std::numeric_limits<c10::DeviceIndex>::max()) {
         return Status::Internal(Where(param), ": region ", ref.region_id, " has no valid device (",
@@ -301,27 +354,40 @@ class ArgDecoder {
       region_ids_.push_back(ref.region_id);
     }
 
-    const at::TensorOptions options = at::TensorOptions().dtype(*ToScalarType(ref.dtype));
     if (meta_) {
-      *out = at::empty_strided(ref.sizes, ref.strides, options.device(at::kMeta));
+      *out = at::empty_strided(ref.sizes, ref.strides, Options(ref).device(at::kMeta));
       return Status::Ok();
     }
-    // An explicit target device keeps from_blob from asking the driver which
-    // device owns the pointer, so wrapping needs no CUDA call (and no GPU).
-    const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(region.device));
-    *out = at::for_blob(static_cast<char*>(region.base) + ref.byte_offset, ref.sizes)
-               .strides(ref.strides)
-               .options(options.device(device))
-               .target_device(device)
-               .make_tensor();
+    *out = WrapView(static_cast<char*>(region.base) + ref.byte_offset, ref, region.device);
     return Status::Ok();
+  }
+
+  static at::TensorOptions Options(const TensorRef& ref) {
+    return at::TensorOptions().dtype(*ToScalarType(ref.dtype));  // CheckShape checked the dtype
+  }
+
+  // The view at `data` (null for an empty view: no storage bytes) on CUDA
+  // device `device`. An explicit target device keeps from_blob from asking
+  // the driver which device owns the pointer, so wrapping needs no CUDA call
+  // (and no GPU).
+  static at::Tensor WrapView(void* data, const TensorRef& ref, int device) {
+    const at::Device target(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+    return at::for_blob(data, ref.sizes)
+        .strides(ref.strides)
+        .options(Options(ref).device(target))
+        .target_device(target)
+        .make_tensor();
   }
 
   const std::string& op_name_;
   const RegionResolver& regions_;
   const bool meta_;
+  const int default_device_;
   std::vector<uint64_t> region_ids_;
   int device_ = -1;
+  size_t index_ = 0;  // the argument being decoded
+  bool writes_elements_ = false;
+  std::vector<std::pair<size_t, const TensorRef*>> unplaced_;  // region-less views (CUDA): stack index, ref
 };
 
 // A fresh output would come from the daemon's caching allocator, freed as
@@ -382,14 +448,17 @@ Status Classified(Status s) {
 
 class PreparedCallImpl final : public PreparedCall {
  public:
+  // `nothing_to_write`: no written tensor has an element and the op's Meta
+  // kernel checks it in Validate, so Run launches nothing.
   PreparedCallImpl(std::string op_name, c10::OperatorHandle op, std::vector<c10::IValue> args,
-                   std::vector<uint64_t> regions, int device, bool meta)
+                   std::vector<uint64_t> regions, int device, bool meta, bool nothing_to_write)
       : op_name_(std::move(op_name)),
         op_(std::move(op)),
         args_(std::move(args)),
         regions_(std::move(regions)),
         device_(device),
-        meta_(meta) {}
+        meta_(meta),
+        nothing_to_write_(nothing_to_write) {}
 
   const std::string& op_name() const override { return op_name_; }
   const std::vector<uint64_t>& regions() const override { return regions_; }
@@ -411,6 +480,7 @@ class PreparedCallImpl final : public PreparedCall {
   }
 
   Status Run(cudaStream_t stream, bool* sticky_cuda_error) {
+    if (nothing_to_write_) return Status::Ok();
     Status status;
     try {
       // Skips autograd and version-counter bookkeeping; nothing here is
@@ -462,6 +532,7 @@ class PreparedCallImpl final : public PreparedCall {
   const std::vector<uint64_t> regions_;
   const int device_;
   const bool meta_;
+  const bool nothing_to_write_;
 };
 
 }  // namespace
@@ -521,7 +592,7 @@ Status TorchCallRunner::PrepareUnclassified(const CallRequest& req, const Region
   OPD_RETURN_IF_ERROR(CheckWritesOnly(schema, op_name));
 
   std::vector<c10::IValue> args;
-  ArgDecoder decoder(op_name, regions, meta);
+  ArgDecoder decoder(op_name, regions, meta, cuda_device_);
   try {
     // Inference tensors, to match the InferenceMode that RunCall runs in.
     c10::InferenceMode inference;
@@ -532,8 +603,13 @@ Status TorchCallRunner::PrepareUnclassified(const CallRequest& req, const Region
     return Status::Internal(op_name, ": ", e.what());
   }
   const int device = decoder.device();
+  // A call that can write no element has nothing to launch; it is still
+  // decoded, bounds-checked and (Validate) checked by the op's Meta kernel.
+  // Without a Meta kernel its checks run only in Run, so it runs.
+  const bool nothing_to_write =
+      !decoder.writes_elements() && op->hasKernelForDispatchKey(c10::DispatchKey::Meta);
   *out = std::make_unique<PreparedCallImpl>(op_name, std::move(*op), std::move(args),
-                                            decoder.TakeRegions(), device, meta);
+                                            decoder.TakeRegions(), device, meta, nothing_to_write);
   return Status::Ok();
 }
 

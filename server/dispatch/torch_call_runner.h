@@ -12,12 +12,22 @@
 //      offset + extent(sizes, strides) * itemsize <= region size
 //      (common/view_extent.h); tensors the schema marks as written
 //      (Tensor(a!)) must be contiguous (a zero or overlapping stride is
-//      rejected: a dense write through it would leave the view),
-//   4. wraps each view with at::from_blob on the region's device (no copy),
+//      rejected: a dense write through it would leave the view). A view in
+//      region kNoRegion (0, wire.h) has no memory: it must have no element
+//      (a size of 0) and byte offset 0, and is checked for rank, dtype,
+//      sizes and strides only,
+//   4. wraps each view with at::from_blob on the region's device (no copy);
+//      a view without a region becomes an empty tensor (no storage) of its
+//      sizes, strides and dtype on the device of the call's other tensors,
+//      or the runner's `cuda_device` when none has a region,
 //   5. Validate: runs the op's Meta kernel, which calls the same check
 //      function as its CUDA launcher (layout contract, shapes, dtypes),
 //   6. Run: calls the overload through the boxed dispatcher with the given
-//      CUDA stream current.
+//      CUDA stream current. A call none of whose written tensors
+//      (Tensor(a!)) has an element has nothing to write: when the op has a
+//      Meta kernel (Validate checked the call) Run launches nothing and
+//      succeeds. This is the one place of that rule: every client sends such
+//      calls like any other.
 //
 // Contract: this header includes no torch, gRPC, protobuf or spdlog headers;
 // its implementation includes torch only. It never synchronizes the device.
@@ -39,7 +49,10 @@ class TorchCallRunner final : public CallRunner {
   // tensors (pointers never dereferenced) and runs only the checks: the
   // daemon on fake device ops (tests/fake_daemon/) and the CPU dispatch tests.
   enum class Device { kCuda, kMeta };
-  explicit TorchCallRunner(Device device = Device::kCuda) : device_(device) {}
+  // `cuda_device` (>= 0): the daemon's CUDA ordinal, where a call none of
+  // whose tensors is in a region runs (its empty tensors live there).
+  explicit TorchCallRunner(Device device = Device::kCuda, int cuda_device = 0)
+      : device_(device), cuda_device_(cuda_device) {}
 
   // Every op registered in namespace cache_dit_cuda_ops in this process, both
   // overloads, sorted by (name, overload).
@@ -53,8 +66,8 @@ class TorchCallRunner final : public CallRunner {
   // `regions`), UNSUPPORTED (an overload that returns a new tensor, a schema
   // type the daemon cannot decode), BAD_ARGUMENT (arity, types, dims,
   // negative sizes/strides, overflow, view past the region end,
-  // non-contiguous written tensor, unknown dtype), each naming the argument
-  // and the value.
+  // non-contiguous written tensor, unknown dtype, an element or an offset
+  // in region kNoRegion), each naming the argument and the value.
   Status Prepare(const CallRequest& req, const RegionResolver& regions,
                  std::unique_ptr<PreparedCall>* out) override;
 
@@ -63,7 +76,7 @@ class TorchCallRunner final : public CallRunner {
   Status Validate(PreparedCall& call) override;
 
   // Step 6 on `stream` (a cudaStream_t of the region's device; a meta call
-  // does nothing more). A c10::Error from the op's checks becomes
+  // or one with nothing to write does nothing more). A c10::Error from the op's checks becomes
   // INVALID_ARGUMENT with the op's message; a CUDA error after the launch
   // becomes INTERNAL, and `*sticky` is set when the CUDA context is unusable
   // (common/cuda/driver_api.h's table), which the daemon treats as fatal.
@@ -74,6 +87,7 @@ class TorchCallRunner final : public CallRunner {
                              std::unique_ptr<PreparedCall>* out);
 
   const Device device_;
+  const int cuda_device_;
 };
 
 }  // namespace cache_dit_opd

@@ -35,6 +35,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/call.h"
 #include "common/status.h"
 #include "server/device/region_opener.h"
 #include "server/session/mapped_region.h"
@@ -130,7 +131,9 @@ class RegionRegistry final : public RegionResolver {
   std::map<uint64_t, Region> active_;                      // guarded by mu_
   std::unordered_map<std::string, uint64_t> id_by_handle_;  // active only; guarded by mu_
   std::vector<Region> pending_;                             // guarded by mu_
-  uint64_t next_id_ = 1;                                    // guarded by mu_
+  // Ids count up from 1, never reused: 0 is wire.h's kNoRegion (an empty
+  // view without memory) and is never registered.
+  uint64_t next_id_ = kNoRegion + 1;                        // guarded by mu_
   uint64_t tick_ = 0;                                       // guarded by mu_
   uint64_t mapped_bytes_ = 0;                               // active + pending; guarded by mu_
   bool closed_ = false;                                     // guarded by mu_

@@ -112,6 +112,48 @@ def test_a_new_allocation_goes_through_python_once(native):
     assert after["fallbacks"]["region_miss"] == mid["fallbacks"]["region_miss"]
 
 
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def test_an_empty_output_runs_natively_beside_the_others(native):
+    """svdq's activation quantizer without LoRA (rank 0): lora_act_out [M_pad, 0] is empty, output and oscales
+    are not. The engine sends the empty tensor as region 0 (no memory) and runs the call; it was once handed
+    to Python as an argument it cannot carry and dropped there, output and oscales never written."""
+    s = native
+    x = torch.randn(200, 128, device="cuda", dtype=BF16)
+    output = torch.empty(256, 128, device="cuda", dtype=FP8)
+    oscales = torch.empty(2, 256, device="cuda", dtype=BF16)
+    lora_act_out = torch.empty(256, 0, device="cuda", dtype=torch.float32)
+    args = (x, None, None, False, False, 256)
+    want = kernels.svdq_quantize_w4a4_act_fuse_lora(x, None, None, pad_size=256)  # the catalog checked
+    OPS.svdq_quantize_w4a4_act_fuse_lora.out(*args, output=output, oscales=oscales, lora_act_out=lora_act_out)
+    for t in (output, oscales):  # poisoned: only the call can make them right again
+        t.view(torch.uint8).fill_(255)
+    before = _state(s)
+    OPS.svdq_quantize_w4a4_act_fuse_lora.out(*args, output=output, oscales=oscales, lora_act_out=lora_act_out)
+    after = _state(s)
+    assert after["native_calls"] == before["native_calls"] + 1
+    assert after["fallbacks"] == before["fallbacks"], (before, after)
+    assert torch.equal(_bytes(output), _bytes(want[0])) and torch.equal(_bytes(oscales), _bytes(want[1]))
+    assert want[2].shape == (256, 0)
+
+
+def test_a_call_of_only_empty_tensors_runs_natively_and_writes_nothing(native):
+    """No client shortcut: the daemon checks the call and, with nothing to write, launches nothing."""
+    s = native
+    kernels.fp8_comm_per_token_quant(torch.randn(8, 64, device="cuda", dtype=BF16))  # the catalog checked
+    x = torch.empty(0, 64, device="cuda", dtype=BF16)
+    q = torch.empty(0, 66, device="cuda", dtype=FP8)
+    before = _state(s)
+    assert OPS.fp8_comm_per_token_quant.out(x, out=q) is q
+    after = _state(s)
+    assert after["native_calls"] == before["native_calls"] + 1
+    assert after["fallbacks"] == before["fallbacks"], (before, after)
+    with pytest.raises(ValueError, match="x must be torch.bfloat16"):  # still checked by the daemon
+        OPS.fp8_comm_per_token_quant.out(x.float(), out=q)
+
+
 def test_a_rejected_sync_call_raises_what_the_python_path_raises(native):
     s = native
     x = torch.randn(8, 64, device="cuda", dtype=BF16)

@@ -102,6 +102,82 @@ def test_a_rejected_call_raises_value_error_and_the_session_goes_on(daemon):
     assert st.calls == 1 and st.errors == 1
 
 
+class _RecordingStub:
+    """The session's stub, keeping every Call request it sends."""
+
+    def __init__(self, stub):
+        self._stub, self.calls = stub, []
+
+    def Call(self, req, **kw):
+        self.calls.append(req)
+        return self._stub.Call(req, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+
+def _empty(*shape, dtype=BF16):
+    """An empty CUDA tensor as torch makes one: data pointer 0, inside no allocation."""
+    return fx.DeviceTensor(0, shape, dtype)
+
+
+def test_an_empty_output_beside_others_travels_without_memory_and_the_call_runs(daemon):
+    """svdq activation quantizer without LoRA (rank 0): lora_act_out [M_pad, 0] is empty, output and oscales
+    are not. The call reaches the daemon (once dropped by the client, leaving output and oscales unwritten);
+    the empty tensor travels as region 0 at offset 0, nothing registered for it."""
+    c = Client(daemon)
+    c.s._stub = stub = _RecordingStub(c.s._stub)
+    m_pad, k = 256, 384
+    x, output, oscales = c.tensor(200, k), c.tensor(m_pad, k, dtype=FP8), c.tensor(k // 64, m_pad)
+    lora_act_out = _empty(m_pad, 0, dtype=torch.float32)
+    c.run("svdq_quantize_w4a4_act_fuse_lora", [x, None, None, False, False, 256, output, oscales, lora_act_out])
+    assert c.syncs == 1 and len(stub.calls) == 1
+    sent = stub.calls[0].args[8].tensor
+    assert (sent.region_id, sent.byte_offset, list(sent.sizes), list(sent.strides)) == (
+        _wire.NO_REGION, 0, [m_pad, 0], list(lora_act_out.stride()))
+    assert sent.dtype == _wire.DTYPE_IDS["float32"]
+    assert all(stub.calls[0].args[i].tensor.region_id != _wire.NO_REGION for i in (0, 6, 7))
+    st = session_stats(c)
+    assert st.calls == 1 and st.errors == 0
+    assert st.regions == 3 and len(c.s.regions) == 3  # x, output, oscales; none for the empty tensor
+
+
+def test_a_call_of_only_empty_tensors_is_checked_by_the_daemon_and_registers_nothing(daemon):
+    """No client shortcut: whether a call has anything to write is the daemon's rule (it checks the call,
+    then launches nothing; tests/cpp/dispatch), so a bad empty call is still refused."""
+    c = Client(daemon)
+    c.run("fp8_comm_per_token_quant", [_empty(0, 64), _empty(0, 66, dtype=FP8)])
+    st = session_stats(c)
+    assert st.calls == 1 and st.errors == 0 and st.regions == 0 and len(c.s.regions) == 0
+    with pytest.raises(ValueError, match=r"x must be torch\.bfloat16, got torch\.float16"):
+        c.run("fp8_comm_per_token_quant", [_empty(0, 64, dtype=torch.float16), _empty(0, 66, dtype=FP8)])
+    assert session_stats(c).errors == 1 and c.s.failed is None
+
+
+def test_region_zero_with_elements_is_a_bad_argument_naming_the_tensor(daemon):
+    """Region 0 means "no memory": only an empty view may use it. A ref with elements there is refused as the
+    caller's mistake (ValueError), not as an unknown region (which would make a client register again)."""
+    import grpc
+
+    c = Client(daemon)
+    s, pb = c.s, c.s._pb
+    out = c.tensor(4, 66, dtype=FP8)
+    rid, off, sizes, strides, dtype = s._tensor_ref(out, set())
+    req = pb.CallRequest(session_id=s.reply.session_id, token=s.reply.token, op="fp8_comm_per_token_quant",
+                         overload="out", lane=0, host_ordered=True, args=[
+                             pb.Argument(tensor=pb.TensorRef(region_id=_wire.NO_REGION, byte_offset=0, sizes=[4, 64],
+                                                             strides=[64, 1], dtype=_wire.DTYPE_IDS["bfloat16"])),
+                             pb.Argument(tensor=pb.TensorRef(region_id=rid, byte_offset=off, sizes=sizes,
+                                                             strides=strides, dtype=dtype))])
+    with pytest.raises(grpc.RpcError) as e:
+        s._stub.Call(req, timeout=10)
+    err = _errors.from_grpc(e.value)
+    assert _errors.reason_name(err.reason) == "BAD_ARGUMENT" and err.action == _errors.RAISE_VALUE
+    assert "argument 'x'" in err.message and "sizes [4, 64]" in err.message and "region id 0" in err.message
+    c.run("fp8_comm_per_token_quant", c.quant())  # the session serves on
+    assert session_stats(c).errors == 1 and c.s.failed is None
+
+
 def test_a_session_without_the_engine_runs_the_call_host_ordered_whatever_the_engine_said(daemon):
     """The engine's kernel hands every call of a session that has no engine (no ring) to Python: it goes
     over gRPC, it is not handed back again."""

@@ -87,7 +87,8 @@ static_assert(sizeof(RingControl) == kRingControlBytes);
 enum class RingArgKind : uint32_t {
   kNone = 0,
   kTensor = 1,     // count = ndim (<= kMaxTensorDims); then region_id u64, byte_offset u64,
-                   // dtype i32 (wire.h DType), pad i32, sizes i64[ndim], strides i64[ndim]
+                   // dtype i32 (wire.h DType), pad i32, sizes i64[ndim], strides i64[ndim];
+                   // region_id 0 (wire.h kNoRegion): an empty view, byte_offset 0
   kInt = 2,        // count = 1; then i64
   kFloat = 3,      // count = 1; then f64
   kBool = 4,       // count = 1; then i64 (0 or 1)

@@ -51,6 +51,17 @@ inline constexpr int kMaxTensorDims = 8;
 inline constexpr int kMaxArgs = 32;
 inline constexpr int kMaxListLength = 64;
 
+// Region id 0 names no memory; RegisterRegion never returns it (a
+// session's region ids start at 1). A tensor argument (opd.proto TensorRef,
+// a ring record's tensor) in region kNoRegion is an empty view: some size is
+// 0 (no element), byte_offset is 0; its sizes, strides and dtype are
+// checked like any view's, and the op receives an empty tensor of exactly
+// those sizes, strides and dtype on the call's device. Region kNoRegion with
+// an element, or with a byte offset, is BAD_ARGUMENT. Clients send every
+// empty tensor this way and register nothing for it (an empty CUDA tensor's
+// data pointer is usually null, inside no allocation).
+inline constexpr uint64_t kNoRegion = 0;
+
 // ---- rejection reasons ---------------------------------------------------------
 //
 // Every error the daemon returns carries a Reason: a value, not prose (no

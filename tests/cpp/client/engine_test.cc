@@ -157,6 +157,9 @@ class EngineTest : public ::testing::Test {
     reply_ = reply;
     for (int i = 0; i < reply.catalog_size(); ++i) {
       if (reply.catalog(i).name() == "fp8_comm_per_token_quant" && reply.catalog(i).overload() == "out") quant_ = i;
+      if (reply.catalog(i).name() == "svdq_quantize_w4a4_act_fuse_lora" && reply.catalog(i).overload() == "out") {
+        act_ = i;
+      }
     }
     ASSERT_GE(quant_, 0) << "the daemon serves fp8_comm_per_token_quant.out";
     BoundSession bound;
@@ -187,17 +190,48 @@ class EngineTest : public ::testing::Test {
     return r;
   }
 
-  CallAnswer Call(const RecordArgs& args, bool asynchronous = false) {
+  CallAnswer Call(const RecordArgs& args, bool asynchronous = false, int op = -1) {
     CallAnswer a;
-    Status s = engine_->CallRing(nullptr, static_cast<uint32_t>(quant_), args, asynchronous, {}, IssueOptions{}, &a);
+    Status s = engine_->CallRing(nullptr, static_cast<uint32_t>(op < 0 ? quant_ : op), args, asynchronous, {},
+                                 IssueOptions{}, &a);
     EXPECT_TRUE(s.ok()) << s.ToString();
     return a;
+  }
+
+  // svdq_quantize_w4a4_act_fuse_lora.out(input [200, 128] bf16, None, None,
+  // False, False, 256, output [256, 128] e4m3, oscales [2, 256] bf16,
+  // lora_act_out [256, rank] f32) as a record, with lora_act_out in region 0
+  // (wire.h kNoRegion: no memory) as the clients send an empty tensor.
+  RecordArgs ActWithoutLoraMemory(int64_t rank) {
+    ResolvedRegion in, out;
+    EXPECT_TRUE(engine_->ResolveRegion(reinterpret_cast<void*>(kInBase), &in).ok());
+    EXPECT_TRUE(engine_->ResolveRegion(reinterpret_cast<void*>(kOutBase), &out).ok());
+    RecordArgs r;
+    const int64_t xs[] = {200, 128}, xst[] = {128, 1}, os[] = {256, 128}, ost[] = {128, 1};
+    const int64_t ss[] = {2, 256}, sst[] = {256, 1}, ls[] = {256, rank}, lst[] = {rank, 1};
+    EXPECT_TRUE(r.AddTensor(in.region_id, 0, DType::kBFloat16, 2, xs, xst));
+    EXPECT_TRUE(r.AddNone() && r.AddNone() && r.AddBool(false) && r.AddBool(false) && r.AddInt(256));
+    EXPECT_TRUE(r.AddTensor(out.region_id, 0, DType::kFloat8E4M3FN, 2, os, ost));
+    EXPECT_TRUE(r.AddTensor(out.region_id, 65536, DType::kBFloat16, 2, ss, sst));
+    EXPECT_TRUE(r.AddTensor(kNoRegion, 0, DType::kFloat32, 2, ls, lst));
+    return r;
+  }
+
+  uint64_t DaemonCalls() {
+    pb::StatsRequest req;
+    req.set_session_id(reply_.session_id());
+    req.set_token(reply_.token());
+    pb::StatsReply rep;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub_->GetStats(&ctx, req, &rep).ok());
+    return rep.session_size() == 1 ? rep.session(0).calls() : 0;
   }
 
   std::unique_ptr<testing::DaemonProcess> daemon_;
   std::unique_ptr<pb::OperatorDaemon::Stub> stub_;
   pb::OpenSessionReply reply_;
   int quant_ = -1;
+  int act_ = -1;  // svdq_quantize_w4a4_act_fuse_lora.out, when the kernel library has it
   std::unique_ptr<GrpcRegistrar> registrar_;
   std::shared_ptr<SessionEngine> engine_;
 };
@@ -234,6 +268,28 @@ TEST_F(EngineTest, AnUnknownRegionAsksForReregistration) {
   EXPECT_EQ(ReasonFromWire(a.reason), Reason::kRegionUnknown) << a.message;
   EXPECT_EQ(a.status().action(), v1::ClientAction::kReregister);
   EXPECT_FALSE(engine_->failed());
+}
+
+TEST_F(EngineTest, AnEmptyTensorWithoutARegionTravelsBesideTheOthers) {
+  StartDaemon();
+  OpenEngine();
+  if (act_ < 0) GTEST_SKIP() << "the kernel library has no svdq ops";
+  // Rank 0: lora_act_out [256, 0] has no memory; output and oscales have
+  // elements. The daemon runs the call (nothing dropped on the way).
+  const CallAnswer a = Call(ActWithoutLoraMemory(0), false, act_);
+  EXPECT_EQ(a.code, 0) << a.message;
+  ASSERT_TRUE(WaitUntil([&] { return engine_->lane_state(0).done == 1; }));
+  EXPECT_EQ(DaemonCalls(), 1u);
+  EXPECT_EQ(engine_->regions().size(), 2u);  // nothing registered for the empty tensor
+  // Region 0 with elements: the caller's mistake, named, the session goes on.
+  const CallAnswer bad = Call(ActWithoutLoraMemory(16), false, act_);
+  EXPECT_EQ(bad.code, static_cast<int>(StatusCode::kInvalidArgument));
+  EXPECT_EQ(ReasonFromWire(bad.reason), Reason::kBadArgument) << bad.message;
+  EXPECT_EQ(bad.status().action(), v1::ClientAction::kRaiseValue);  // not "register again"
+  EXPECT_NE(bad.message.find("'lora_act_out'"), std::string::npos) << bad.message;
+  EXPECT_NE(bad.message.find("[256, 16]"), std::string::npos) << bad.message;
+  EXPECT_FALSE(engine_->failed());
+  ASSERT_TRUE(WaitUntil([&] { return engine_->lane_state(0).done == 2; }));  // the rejected seq completes too
 }
 
 TEST_F(EngineTest, AsynchronousRejectionsAreTakenWithTheirReasons) {

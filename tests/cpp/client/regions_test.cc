@@ -85,6 +85,28 @@ TEST(TensorRef, ViewMustLieInsideTheAllocation) {
   EXPECT_FALSE(MakeTensorRef({P(0x10000), {2, 2}, {INT64_MAX / 2, 1}, DType::kFloat32}, alloc, 1, &r).ok());
 }
 
+TEST(TensorRef, AnEmptyViewTravelsWithoutARegion) {
+  // Whatever its pointer (torch's empty CUDA tensors have none): region 0, offset 0.
+  TensorRef r;
+  ASSERT_TRUE(MakeEmptyTensorRef({nullptr, {256, 0}, {}, DType::kFloat32}, &r).ok());
+  EXPECT_EQ(r.region_id, kNoRegion);
+  EXPECT_EQ(r.byte_offset, 0u);
+  EXPECT_EQ(r.sizes, (std::vector<int64_t>{256, 0}));
+  EXPECT_EQ(r.strides, (std::vector<int64_t>{1, 1}));  // contiguous, as torch writes them
+  EXPECT_EQ(r.dtype, DType::kFloat32);
+  ASSERT_TRUE(MakeEmptyTensorRef({P(0x1234), {0, 8}, {16, 1}, DType::kBFloat16}, &r).ok());
+  EXPECT_EQ(r.region_id, kNoRegion);
+  EXPECT_EQ(r.byte_offset, 0u);
+  EXPECT_EQ(r.strides, (std::vector<int64_t>{16, 1}));  // explicit strides travel unchanged
+  // A view with elements needs its memory; malformed views are refused as always.
+  Status s = MakeEmptyTensorRef({nullptr, {256, 16}, {}, DType::kFloat32}, &r);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("[256, 16]"), std::string::npos) << s.message();
+  EXPECT_FALSE(MakeEmptyTensorRef({nullptr, {}, {}, DType::kFloat32}, &r).ok());  // 0-dim: one element
+  EXPECT_FALSE(MakeEmptyTensorRef({nullptr, {0, 2}, {1}, DType::kFloat32}, &r).ok());
+  EXPECT_FALSE(MakeEmptyTensorRef({nullptr, {0, 2}, {}, DType::kUnspecified}, &r).ok());
+}
+
 // --- region cache -----------------------------------------------------------
 
 struct FakeBackend : AllocationBackend {

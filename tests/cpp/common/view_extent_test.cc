@@ -34,6 +34,13 @@ TEST(ViewExtent, AnEmptyViewSpansNothing) {
   EXPECT_EQ(Extent({0}, {1}, 8), 0u);
 }
 
+TEST(ViewExtent, HasNoElementsWhenSomeSizeIsZero) {
+  EXPECT_TRUE(HasNoElements(std::vector<int64_t>{256, 0}));
+  EXPECT_TRUE(HasNoElements(std::vector<int64_t>{0}));
+  EXPECT_FALSE(HasNoElements(std::vector<int64_t>{256, 16}));
+  EXPECT_FALSE(HasNoElements(std::vector<int64_t>{}));  // 0-dim: one element
+}
+
 TEST(ViewExtent, RefusesNegativesRankMismatchAndOverflow) {
   EXPECT_TRUE(Refused({-1, 3}, {3, 1}, 4));
   EXPECT_TRUE(Refused({2, 3}, {-3, 1}, 4));

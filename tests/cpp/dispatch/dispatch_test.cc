@@ -399,6 +399,46 @@ TEST_F(KernelOpsTest, EmptyViewTouchesNoBytes) {
       StatusCode::kInvalidArgument, {"'x'", "byte offset 258"});
 }
 
+// ---- views without a region (wire.h kNoRegion) ------------------------------------
+
+// svdq_quantize_w4a4_act_fuse_lora.out without LoRA (rank 0): input [200, 128]
+// bf16, output [256, 128] e4m3 and oscales [2, 256] bf16 in the big region,
+// lora_act_out `lora` ([256, 0] f32: empty, no memory).
+CallRequest ActNoLora(TensorRef lora) {
+  return Call("svdq_quantize_w4a4_act_fuse_lora", "out",
+              {View(kBig, 0, {200, 128}, DType::kBFloat16), NoneArg{}, NoneArg{}, false, false, int64_t{256},
+               View(kBig, 65536, {256, 128}, DType::kFloat8E4M3FN),
+               View(kBig, 2 * 65536, {2, 256}, DType::kBFloat16), std::move(lora)});
+}
+
+TEST_F(KernelOpsTest, AnEmptyOutputWithoutARegionRunsBesideTheOthers) {
+  // The rank-0 case the clients once dropped: lora_act_out has no element,
+  // output and oscales have many; the call is decoded, checked and run.
+  std::unique_ptr<PreparedCall> call;
+  Status status = Runner(true).Prepare(ActNoLora(View(kNoRegion, 0, {256, 0}, DType::kFloat32)), regions_, &call);
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  EXPECT_EQ(call->regions(), std::vector<uint64_t>{kBig});  // region 0 is nothing to pin
+  status = Runner(true).Validate(*call);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  status = Runner(true).Run(*call, nullptr, nullptr);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  // The same call wraps without a GPU on the CUDA runner (the empty view on the other tensors' device).
+  status = Runner(false).Prepare(ActNoLora(View(kNoRegion, 0, {256, 0}, DType::kFloat32)), regions_, &call);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+}
+
+TEST_F(KernelOpsTest, RegionZeroWithElementsIsABadArgumentNamingTheTensor) {
+  // Rank 16 sent without memory: refused before anything runs, as the
+  // caller's mistake (raise ValueError), not as an unknown region (which
+  // would make a client register again and retry).
+  const Status status = Prepare(ActNoLora(View(kNoRegion, 0, {256, 16}, DType::kFloat32)));
+  ExpectError(status, StatusCode::kInvalidArgument,
+              {"svdq_quantize_w4a4_act_fuse_lora.out argument 'lora_act_out'", "sizes [256, 16]", "4096 elements",
+               "region id 0"});
+  EXPECT_EQ(status.reason(), Reason::kBadArgument);
+  EXPECT_EQ(status.action(), v1::ClientAction::kRaiseValue);
+}
+
 TEST_F(KernelOpsTest, SizeTimesStrideOverflow) {
   const int64_t big = int64_t{1} << 62;
   ExpectError(
@@ -656,6 +696,118 @@ TEST_F(SchemaTypesTest, SizeOneDimsIgnoredInContiguityOfWrittenTensor) {
   args[15] = View(kBig, 1024, {2, 1, 3}, DType::kFloat32, {3, 12345, 1});
   Status status = Prepare(Types(std::move(args)));
   EXPECT_TRUE(status.ok()) << status.ToString();
+}
+
+// ---- views without a region (wire.h kNoRegion), on the test op --------------------
+
+TEST_F(SchemaTypesTest, AnEmptyViewWithoutARegionIsAnEmptyTensorOfItsShape) {
+  std::vector<Arg> args = Args();
+  args[1] = View(kNoRegion, 0, {3, 0, 2}, DType::kFloat16, {7, 5, 1});  // maybe: strides as sent
+  std::unique_ptr<PreparedCall> call;
+  ASSERT_TRUE(Runner(true).Prepare(Types(std::move(args)), regions_, &call).ok());
+  EXPECT_EQ(call->regions(), std::vector<uint64_t>{kBig});
+  SeenArgs().clear();
+  ASSERT_TRUE(Runner(true).Run(*call, nullptr, nullptr).ok());  // out has elements: the op runs
+  ASSERT_EQ(SeenArgs().size(), 16u);
+  const at::Tensor empty = SeenArgs()[1].toTensor();
+  EXPECT_EQ(empty.sizes(), at::IntArrayRef({3, 0, 2}));
+  EXPECT_EQ(empty.strides(), at::IntArrayRef({7, 5, 1}));
+  EXPECT_EQ(empty.scalar_type(), at::kHalf);
+  EXPECT_TRUE(empty.is_meta());
+  EXPECT_EQ(empty.numel(), 0);
+}
+
+TEST_F(SchemaTypesTest, AnEmptyViewTakesTheDeviceOfTheOtherTensorsWhateverTheirOrder) {
+  // CUDA runner, no GPU needed: the views are wrapped, never touched;
+  // Validate hands them to the Meta kernel, which records them.
+  std::vector<Arg> args = Args();
+  args[0] = View(kNoRegion, 0, {0, 3}, DType::kFloat32);       // x, before any region
+  args[15] = View(kOtherGpu, 0, {2, 3}, DType::kFloat32);      // out, on device 1
+  std::unique_ptr<PreparedCall> call;
+  Status status = Runner(false).Prepare(Types(std::move(args)), regions_, &call);
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  SeenArgs().clear();
+  ASSERT_TRUE(Runner(false).Validate(*call).ok());
+  ASSERT_EQ(SeenArgs().size(), 16u);
+  const at::Tensor x = SeenArgs()[0].toTensor();
+  EXPECT_EQ(x.device(), at::Device(at::kCUDA, 1));
+  EXPECT_EQ(x.sizes(), at::IntArrayRef({0, 3}));
+  EXPECT_EQ(x.data_ptr(), nullptr);  // no memory behind it
+  EXPECT_EQ(SeenArgs()[15].toTensor().device(), at::Device(at::kCUDA, 1));
+}
+
+TEST_F(SchemaTypesTest, ACallWithOnlyEmptyViewsRunsOnTheDaemonsDeviceAndLaunchesNothing) {
+  static TorchCallRunner on_device_3(TorchCallRunner::Device::kCuda, 3);
+  std::vector<Arg> args = Args();
+  args[0] = View(kNoRegion, 0, {0, 3}, DType::kFloat32);
+  args[15] = View(kNoRegion, 0, {2, 0}, DType::kFloat32);
+  std::unique_ptr<PreparedCall> call;
+  Status status = on_device_3.Prepare(Types(std::move(args)), regions_, &call);
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  EXPECT_TRUE(call->regions().empty());
+  SeenArgs().clear();
+  ASSERT_TRUE(on_device_3.Validate(*call).ok());  // still checked by the Meta kernel
+  ASSERT_EQ(SeenArgs().size(), 16u);
+  EXPECT_EQ(SeenArgs()[0].toTensor().device(), at::Device(at::kCUDA, 3));
+  EXPECT_EQ(SeenArgs()[15].toTensor().device(), at::Device(at::kCUDA, 3));
+  // Nothing to write: Run makes no CUDA call at all (this machine may have
+  // no GPU, and never a device 3) and succeeds.
+  bool sticky = false;
+  status = on_device_3.Run(*call, nullptr, &sticky);
+  EXPECT_TRUE(status.ok()) << status.ToString();
+  EXPECT_FALSE(sticky);
+}
+
+TEST_F(SchemaTypesTest, RunLaunchesNothingWhenNoWrittenTensorHasAnElement) {
+  const auto ran = [&](TensorRef x, TensorRef out) {
+    std::vector<Arg> args = Args();
+    args[0] = std::move(x);
+    args[15] = std::move(out);
+    std::unique_ptr<PreparedCall> call;
+    Status status = Runner(true).Prepare(Types(std::move(args)), regions_, &call);
+    EXPECT_TRUE(status.ok()) << status.ToString();
+    if (!status.ok()) return false;
+    SeenArgs().clear();
+    EXPECT_TRUE(Runner(true).Run(*call, nullptr, nullptr).ok());
+    return !SeenArgs().empty();
+  };
+  const TensorRef full_x = View(kBig, 0, {2, 3}, DType::kFloat32);
+  const TensorRef full_out = View(kBig, 1024, {2, 3}, DType::kFloat32);
+  // Every tensor empty, without regions: skipped.
+  EXPECT_FALSE(ran(View(kNoRegion, 0, {0, 3}, DType::kFloat32), View(kNoRegion, 0, {0, 3}, DType::kFloat32)));
+  // The written tensor empty (in a region or not), an input with elements: nothing can be written, skipped.
+  EXPECT_FALSE(ran(full_x, View(kNoRegion, 0, {0, 3}, DType::kFloat32)));
+  EXPECT_FALSE(ran(full_x, View(kBig, 1024, {0, 3}, DType::kFloat32)));
+  // The written tensor has elements: the op runs, whatever is empty beside it.
+  EXPECT_TRUE(ran(View(kNoRegion, 0, {0, 3}, DType::kFloat32), full_out));
+  EXPECT_TRUE(ran(full_x, full_out));
+}
+
+TEST_F(SchemaTypesTest, RegionZeroIsOnlyForAnEmptyViewAtOffsetZero) {
+  std::vector<Arg> args = Args();
+  args[0] = View(kNoRegion, 0, {2, 3}, DType::kFloat32);
+  Status status = Prepare(Types(std::move(args)));
+  ExpectError(status, StatusCode::kInvalidArgument,
+              {"_opd_test_types argument 'x'", "sizes [2, 3]", "6 elements", "region id 0"});
+  EXPECT_EQ(status.reason(), Reason::kBadArgument);
+  // A 0-dim view has one element.
+  args = Args();
+  args[0] = View(kNoRegion, 0, {}, DType::kFloat32);
+  ExpectError(Prepare(Types(std::move(args)), /*meta=*/false), StatusCode::kInvalidArgument,
+              {"'x'", "sizes []", "1 elements"});
+  args = Args();
+  args[15] = View(kNoRegion, 64, {0, 3}, DType::kFloat32);
+  ExpectError(Prepare(Types(std::move(args))), StatusCode::kInvalidArgument, {"'out'", "byte offset 64"});
+  // Checked like any view otherwise.
+  args = Args();
+  args[0] = View(kNoRegion, 0, {0, -1}, DType::kFloat32, {1, 1});
+  ExpectError(Prepare(Types(std::move(args))), StatusCode::kInvalidArgument, {"'x'", "negative size -1"});
+  args = Args();
+  args[0] = View(kNoRegion, 0, {0, 3}, DType::kUnspecified);
+  ExpectError(Prepare(Types(std::move(args))), StatusCode::kInvalidArgument, {"'x'", "unknown dtype"});
+  args = Args();
+  args[0] = View(kNoRegion, 0, {0, 3}, DType::kFloat32, {1});
+  ExpectError(Prepare(Types(std::move(args))), StatusCode::kInvalidArgument, {"'x'", "2 sizes but 1 strides"});
 }
 
 }  // namespace
