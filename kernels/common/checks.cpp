@@ -72,6 +72,13 @@ void check_device(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.is_cuda() || t.is_meta(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
 }
 
+void check_aligned(const char* op, const char* name, const at::Tensor& t, int64_t bytes) {
+  if (!t.is_cuda()) return;
+  const auto past = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % static_cast<uintptr_t>(bytes));
+  TORCH_CHECK_VALUE(past == 0, op, ": ", name, " must start at a ", bytes, "-byte aligned address, got one ", past,
+                    " bytes past (storage_offset ", t.storage_offset(), ")");
+}
+
 void check_same_device(const char* op, const at::Tensor& ref, const char* ref_name,
                        std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
   check_device(op, ref_name, ref);

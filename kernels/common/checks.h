@@ -49,6 +49,13 @@ void check_contiguous(const char* op, const char* name, const at::Tensor& t);
 // A CUDA (or Meta) tensor, else "op: name must be a CUDA tensor, got device cpu".
 void check_device(const char* op, const char* name, const at::Tensor& t);
 
+// A CUDA tensor's first byte at a multiple of `bytes` (vector loads and TMA
+// copies want it; the caching allocator's blocks always are, a view with a
+// storage offset may not be), else "op: name must start at a 16-byte aligned
+// address, got one 2 bytes past (storage_offset 1)". Meta and fake tensors
+// have no address and pass.
+void check_aligned(const char* op, const char* name, const at::Tensor& t, int64_t bytes);
+
 // Every tensor on `ref`'s device (and CUDA or Meta).
 void check_same_device(const char* op, const at::Tensor& ref, const char* ref_name,
                        std::initializer_list<std::pair<const char*, const at::Tensor*>> others);

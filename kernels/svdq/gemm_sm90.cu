@@ -127,12 +127,15 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t
 }
 
 // One 64-group of this warpgroup's 64 rows: two k32 MMAs into a fresh d.
-__device__ __forceinline__ void issue_group(float (&d)[64], const Smem& s, int stage, int half, int wg_row) {
-  const uint32_t a = smem_u32(s.a[stage]) + wg_row * kBK + half * 64;
-  const uint32_t b = smem_u32(s.b[stage]) + half * 64;
+// da, db: descriptors of this warpgroup's A rows and of B at stage 0, k 0. A
+// descriptor's address field is bits 0..13 of (address >> 4), and every
+// shared address is below 2^18, so moving through the ring is an add: a
+// stage is kTileBytes on, a group 64 bytes, a k32 step 32.
+__device__ __forceinline__ void issue_group(float (&d)[64], uint64_t da, uint64_t db, int stage, int half) {
+  const uint64_t step = static_cast<uint64_t>(stage * (kTileBytes >> 4) + half * (64 >> 4));
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-  wgmma_e4m3(d, sw128_desc(a), sw128_desc(b), 0);
-  wgmma_e4m3(d, sw128_desc(a + 32), sw128_desc(b + 32), 1);
+  wgmma_e4m3(d, da + step, db + step, 0);
+  wgmma_e4m3(d, da + step + (32 >> 4), db + step + (32 >> 4), 1);
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
@@ -141,26 +144,31 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+// The activation scales of this lane's rows g and g + 8, read before the
+// MMAs are waited for.
+template <typename T>
+__device__ __forceinline__ float2 act_scales(const Smem& s, int stage, int half, int wg_row, int lane) {
+  const uint16_t* as = s.as[stage] + half * kBM + wg_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+  return make_float2(scale_bits_to_float<T>(as[0]), scale_bits_to_float<T>(as[8]));
+}
+
 // out += (dot * ascale) * wscale, one FMUL (exact: |dot| <= 4096 and the
 // scale has at most 11 significant bits) and one FFMA (one rounding) per
 // element. d[4 j + r]: row g + 8 (r / 2), column 8 j + 2 t + r % 2.
-template <typename T>
 __device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const Smem& s, int stage, int half,
-                                        int wg_row, int lane) {
-  const int g = lane / 4, t = lane % 4, warp_row = (threadIdx.x % 128) / 32 * 16;
-  const uint16_t* as = s.as[stage] + half * kBM + wg_row + warp_row + g;
-  const float a0 = scale_bits_to_float<T>(as[0]), a1 = scale_bits_to_float<T>(as[8]);
+                                        float2 as, int lane) {
+  const int t = lane % 4;
+  const float a0 = as.x, a1 = as.y;
+  // float4 at (4 jj + t): columns 16 jj + 2 t + {0, 1} and + 8
   const float4* ws = reinterpret_cast<const float4*>(s.ws[stage] + half * kBN) + t;
-  float4 w[8];  // float4 at (4 jj + t): columns 16 jj + 2 t + {0, 1} and + 8
-#pragma unroll
-  for (int jj = 0; jj < 8; ++jj) w[jj] = ws[jj * 4];
   // All 64 products first (independent), then the 64 FFMAs: no FFMA waits on
   // the FMUL just before it.
 #pragma unroll
   for (int i = 0; i < 64; ++i) d[i] = __fmul_rn(d[i], (i % 4) < 2 ? a0 : a1);
 #pragma unroll
   for (int jj = 0; jj < 8; ++jj) {
-    const float wv[4] = {w[jj].x, w[jj].y, w[jj].z, w[jj].w};
+    const float4 w = ws[jj * 4];
+    const float wv[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -191,7 +199,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                 Out* __restrict__ out, int m_pad, int n_cols, int k_dim, int rank) {
 #ifdef CACHE_DIT_SVDQ_WGMMA_BODY
   extern __shared__ uint8_t smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // Aligned by pointer arithmetic on the shared array (not through an
+  // integer), so the compiler still knows the scales are shared memory and
+  // reads them with LDS; generic loads cost the rescale its latency (ncu).
+  Smem& s = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
   const int n0 = blockIdx.x * kBN, m0 = blockIdx.y * kBM;
   const int k_stages = k_dim / kBK, groups = k_dim / 64;
@@ -223,6 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int wg_row = (wg - 1) * 64;  // this warpgroup's rows within the tile
+  const uint64_t desc_a = sw128_desc(smem_u32(s.a[0]) + wg_row * kBK), desc_b = sw128_desc(smem_u32(s.b[0]));
   float acc[64], d[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = d[i] = 0.f;
@@ -230,16 +242,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Per group: two k32 MMAs into d, wait, rescale into acc. The other
   // warpgroup's MMAs keep the tensor cores busy while this one rescales.
   // (Measured on the H200: issuing both groups of a stage before one wait,
-  // in a 256-thread block where thread 0 also loads, is 10-25% slower.)
+  // in a 256-thread block where thread 0 also loads, is 10-25% slower; named
+  // barriers that make the two warpgroups take turns issuing change nothing
+  // beyond run-to-run noise: the bound is the consumer warps' issue slots,
+  // docs/DESIGN.md section 8.)
   for (int st = 0; st < k_stages; ++st) {
     const int i = st % kStages;
     mbar_wait(&s.full[i], (st / kStages) & 1);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      issue_group(d, s, i, half, wg_row);
+      issue_group(d, desc_a, desc_b, i, half);
+      const float2 as = act_scales<T>(s, i, half, wg_row, lane);
       wgmma_wait<0>();
       fence_acc(d);
-      rescale<T>(acc, d, s, i, half, wg_row, lane);
+      rescale(acc, d, s, i, half, as, lane);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[i]);
@@ -343,23 +359,15 @@ CUtensorMap tensor_map(const void* base, CUtensorMapDataType type, uint64_t elem
   return map;
 }
 
-bool aligned(const at::Tensor& t, uintptr_t bytes) { return cuda::is_aligned(t.data_ptr(), bytes); }
-
 }  // namespace
 
-bool usable(const at::Tensor& act, const at::Tensor& ascales, const std::optional<at::Tensor>& lora_act,
-            const std::optional<at::Tensor>& lora_up, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+bool usable(const at::Tensor& act) {
 #ifndef CACHE_DIT_SVDQ_SM90A
-  (void)act, (void)ascales, (void)lora_act, (void)lora_up, (void)bias, (void)out;
+  (void)act;
   return false;
 #else
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(act.get_device());
-  // TMA wants 16-byte aligned bases and row strides (ascales rows are M_pad
-  // scales); the epilogue reads up in 16-byte, bias and lora_act in 8-byte
-  // and writes out in 2-element pieces.
-  return prop->major == 9 && prop->minor == 0 && act.size(0) % 8 == 0 && aligned(act, 16) &&
-         aligned(ascales, 16) && (!lora_up || (aligned(*lora_up, 16) && aligned(*lora_act, 8))) &&
-         (!bias || aligned(*bias, 8)) && aligned(out, 8);
+  return prop->major == 9 && prop->minor == 0 && act.size(0) % 8 == 0 && act.size(1) > 0;
 #endif
 }
 

@@ -28,10 +28,10 @@
 
 namespace cache_dit::svdq::sm90 {
 
-// Whether this build has the sm_90a kernel and `act`'s device can run it with
-// these operands (sm 9.0; M_pad a multiple of 8; aligned data pointers).
-bool usable(const at::Tensor& act, const at::Tensor& ascales, const std::optional<at::Tensor>& lora_act,
-            const std::optional<at::Tensor>& lora_up, const std::optional<at::Tensor>& bias, const at::Tensor& out);
+// Whether this build has the sm_90a kernel and `act`'s device can run it
+// (sm 9.0; M_pad a multiple of 8, for the TMA row stride of ascales; K > 0).
+// Every operand is 16-byte aligned already (check_gemm).
+bool usable(const at::Tensor& act);
 
 // out = the op's result, T the model dtype (__half or __nv_bfloat16), Out the
 // output's (T's two or float); inputs already checked by check_gemm. Launches

@@ -1,15 +1,18 @@
 // SVDQuant W4A4 kernels, launchers and entry points (kernels/svdq/svdq.h has
-// the contracts). The quantizers, and the portable GEMM that every target
-// but sm_90a runs (kernels/svdq/gemm_sm90.cu is the tensor-core one): plain
-// CUDA-core code, one thread or warp per output, written to be obviously
-// equal to kernels/svdq_reference.py. Each rounding is explicit (__fmul_rn,
-// __fmaf_rn, __fdiv_rn): no contraction the reference does not make.
+// the contracts): the activation quantizer fused with LoRA-down (one pass
+// over x), the weight quantizer, and the portable GEMM that every target but
+// sm_90a runs (kernels/svdq/gemm_sm90.cu is the tensor-core one), written to
+// be obviously equal to kernels/svdq_reference.py. Each rounding is explicit
+// (__fmul_rn, __fmaf_rn, __frcp_rn, __fdiv_rn): no contraction the reference
+// does not make.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -38,77 +41,173 @@ __device__ __forceinline__ int clamp_q(int q) { return max(-8, min(7, q)); }
 
 // ---- kernels ---------------------------------------------------------------------------------------------
 
-// One warp per (row, 64-group); lane l takes k = 64 g + 2 l, 2 l + 1.
+// The activation quantizer and LoRA-down in one pass over x. A warp takes 16
+// rows and a run of 64-groups; per 16-column step its lane 4 g + t holds the
+// m16n8k16 A fragment (rows g and g + 8, columns 2 t (+ 1) and 2 t + 8 (+ 1)),
+// which is at once LoRA-down's MMA operand (raw x, fp32 accumulators, the
+// packed proj_down is the B fragments) and the quantizer's input: the packed
+// smooth_factor holds exactly those four columns in 4 consecutive entries,
+// and a row's 64 values of a group sit in the 4 lanes of its g. The 8 warps
+// of a block take consecutive 16-row tiles over the same groups, so each
+// proj_down fragment comes from L2 once per block. Rows >= m_rows read as 0.
+// The next group's x and this group's proj_down fragments are loaded before
+// this group is worked on (waiting for them was the top stall, ncu).
+//
+// lora: this launch's rank tiles [tile0, tile0 + kTiles) of the split's
+// partial sums, lora + split * m_pad * rank.
+constexpr int kQuantWarps = 8;
+constexpr int kDownTiles = 4;  // rank tiles of 16 one launch accumulates in registers
+constexpr int64_t kMaxSplitGroups = 128;  // 32 KB of 1 / smooth_factor per block, within the 48 KB default
+
 template <typename T>
-__global__ void quantize_act_kernel(const T* __restrict__ x, const T* __restrict__ smooth, uint8_t* __restrict__ q,
-                                    T* __restrict__ scales, int64_t m_rows, int64_t m_pad, int64_t k_dim) {
-  const int lane = threadIdx.x % 32;
-  const int64_t groups = k_dim / 64;
-  const int64_t g = int64_t{blockIdx.y} * kWarps + threadIdx.x / 32;
-  const int64_t m = blockIdx.x;
-  if (g >= groups) return;
-  const int64_t k = g * 64 + 2 * lane;
-  float v[2] = {0.f, 0.f};
-  if (m < m_rows) {
-    for (int e = 0; e < 2; ++e) {
-      float xv = to_float(x[m * k_dim + k + e]);
-      // x / s rounded to the model dtype, as the reference
-      if (smooth != nullptr) xv = to_float(from_float<T>(__fdiv_rn(xv, to_float(smooth[scale_pos(k + e, 0, 1)]))));
-      v[e] = xv;
+__device__ __forceinline__ void load_a(uint32_t (&a)[4][4], const T* const (&rows)[2], int64_t gi, int t) {
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    const int64_t k = gi * 64 + st * 16 + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const T* row = rows[r % 2];
+      a[st][r] = row == nullptr ? 0u : *reinterpret_cast<const uint32_t*>(row + k + (r / 2) * 8);
     }
   }
-  const float amax = warp_max(fmaxf(fabsf(v[0]), fabsf(v[1])));
-  const float scale = __fmul_rn(amax, 1.0f / 7.0f);
-  const float recip = scale == 0.f ? 0.f : __frcp_rn(scale);
-  const int q0 = clamp_q(__float2int_rn(__fmul_rn(v[0], recip)));
-  const int q1 = clamp_q(__float2int_rn(__fmul_rn(v[1], recip)));
-  // e4m3 codes of q0, q1 (exact): k and k + 1 of row m
-  const __nv_fp8x2_storage_t codes =
-      __nv_cvt_float2_to_fp8x2(make_float2(static_cast<float>(q0), static_cast<float>(q1)), __NV_SATFINITE, __NV_E4M3);
-  reinterpret_cast<__nv_fp8x2_storage_t*>(q)[(m * k_dim + k) / 2] = codes;
-  if (lane == 0) scales[g * m_pad + m] = from_float<T>(scale);
 }
 
-// lora_act[m, r] = sum_k x[m, k] * down[r, k], fp32 accumulators on tensor
-// cores (m16n8k16 on T). A block takes 16 rows; its 8 warps split K in
-// contiguous eighths and add their partial sums in warp order (deterministic).
-// Rows >= m_rows read as 0. The packed proj_down is the MMA's B fragments.
-constexpr int kDownWarps = 8;
-template <typename T>
-__global__ void __launch_bounds__(32 * kDownWarps) lora_down_kernel(const T* __restrict__ x, const T* __restrict__ down,
-                                                                  float* __restrict__ act, int64_t m_rows,
-                                                                  int64_t m_pad, int64_t k_dim, int64_t rank) {
-  __shared__ float partial[kDownWarps][16][16];
+template <typename T, int kTiles>
+__global__ void __launch_bounds__(32 * kQuantWarps, 2)
+    quantize_act_kernel(const T* __restrict__ x, const T* __restrict__ smooth, const T* __restrict__ down,
+                        uint8_t* __restrict__ q, T* __restrict__ scales, float* __restrict__ lora, int64_t m_rows,
+                        int64_t m_pad, int64_t k_dim, int64_t rank, int tile0, int64_t groups_per_split,
+                        bool quantize) {
+  __shared__ alignas(16) uint8_t codes[kQuantWarps][16][64];  // one group's e4m3 codes, for 16-byte stores
+  // 1 / smooth_factor over the split, in fp32 and the packed order: a
+  // 64-group's 64 entries are contiguous there (gi * 64 ..), so the split's
+  // are one run. Read from shared memory, not from L2 (the quantizer's top
+  // stall, ncu), and each reciprocal computed once per block, not per row.
+  extern __shared__ float4 inv_smooth[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t m0 = int64_t{blockIdx.x} * 16;
-  const int64_t steps = k_dim / 16, per_warp = (steps + kDownWarps - 1) / kDownWarps;
-  const int64_t s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
+  const int64_t groups = k_dim / 64, rank_tiles = rank / 16;
+  const int64_t g_begin = int64_t{blockIdx.y} * groups_per_split, g_end = min(groups, g_begin + groups_per_split);
+  if (quantize && smooth != nullptr) {
+    float* inv = reinterpret_cast<float*>(inv_smooth);
+    for (int64_t i = threadIdx.x; i < (g_end - g_begin) * 64; i += blockDim.x) {
+      inv[i] = __frcp_rn(to_float(smooth[g_begin * 64 + i]));
+    }
+  }
+  __syncthreads();
+  const int64_t m0 = (int64_t{blockIdx.x} * kQuantWarps + warp) * 16;
+  if (m0 >= m_pad) return;  // the whole warp (no block-wide barrier below)
   const T* rows[2] = {m0 + g < m_rows ? x + (m0 + g) * k_dim : nullptr,
                       m0 + g + 8 < m_rows ? x + (m0 + g + 8) * k_dim : nullptr};
-  auto pair = [](const T* row, int64_t k) {
-    return row == nullptr ? 0u : *reinterpret_cast<const uint32_t*>(row + k);
-  };
-  for (int64_t rt = 0; rt < rank / 16; ++rt) {
-    float d[8] = {};
-    for (int64_t st = s_begin; st < s_end; ++st) {
-      const int64_t k0 = st * 16;
-      const uint32_t a[4] = {pair(rows[0], k0 + 2 * t), pair(rows[1], k0 + 2 * t), pair(rows[0], k0 + 2 * t + 8),
-                             pair(rows[1], k0 + 2 * t + 8)};
-      const uint4 b = *reinterpret_cast<const uint4*>(down + (st * (rank / 16) + rt) * 256 + lane * 8);
-      mma_16816<T>(d[0], d[1], d[2], d[3], a, b.x, b.y);  // ranks 16 rt + 0..7
-      mma_16816<T>(d[4], d[5], d[6], d[7], a, b.z, b.w);  // ranks 16 rt + 8..15
-    }
+  float acc[kTiles > 0 ? kTiles : 1][8] = {};
+
+  // Up to 2 rank tiles' fragments are loaded ahead; more would not fit the registers.
+  constexpr int kPrefetch = kTiles <= 2 ? kTiles : 0;
+  uint32_t next[4][4];  // step s: (row g, 2 t), (row g + 8, 2 t), (row g, 2 t + 8), (row g + 8, 2 t + 8)
+  if (g_begin < g_end) load_a<T>(next, rows, g_begin, t);
+  for (int64_t gi = g_begin; gi < g_end; ++gi) {
+    uint32_t a[4][4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) partial[warp][g + 8 * ((i / 2) % 2)][(i / 4) * 8 + 2 * t + i % 2] = d[i];
-    __syncthreads();
-    for (int e = threadIdx.x; e < 256; e += blockDim.x) {
-      const int r = e / 16, c = e % 16;
-      float sum = 0.f;
-      for (int w = 0; w < kDownWarps; ++w) sum += partial[w][r][c];
-      if (m0 + r < m_pad) act[(m0 + r) * rank + rt * 16 + c] = sum;
+    for (int st = 0; st < 4; ++st) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[st][r] = next[st][r];
     }
-    __syncthreads();
+    if (gi + 1 < g_end) load_a<T>(next, rows, gi + 1, t);
+    // This group's proj_down fragments now, used after the quantizer's
+    // arithmetic has covered their latency.
+    uint4 b[4][kPrefetch > 0 ? kPrefetch : 1];
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+#pragma unroll
+      for (int rt = 0; rt < kPrefetch; ++rt) {
+        b[st][rt] = *reinterpret_cast<const uint4*>(down + ((gi * 4 + st) * rank_tiles + tile0 + rt) * 256 + lane * 8);
+      }
+    }
+    if (quantize) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // row g + 8 h: one row at a time keeps 16 values live, not 32
+        float v[16];  // step s, columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9
+        float amax = 0.f;
+#pragma unroll
+        for (int st = 0; st < 4; ++st) {
+          // Packed smooth: columns 16 j + {2 t, 2 t + 1, 2 t + 8, 2 t + 9} of a 128-block at
+          // (j * 4 + t) * 4, so step st of group gi at gi * 64 + st * 16 + 4 t (read per row: registers).
+          const float4 inv = smooth != nullptr ? inv_smooth[(gi - g_begin) * 16 + st * 4 + t] : float4{};
+          const float iv[4] = {inv.x, inv.y, inv.z, inv.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t pair = a[st][h + 2 * (e / 2)];
+            float xv = to_float(reinterpret_cast<const T*>(&pair)[e % 2]);
+            // x * (1 / s) rounded to the model dtype, as the reference
+            if (smooth != nullptr) xv = to_float(from_float<T>(__fmul_rn(xv, iv[e])));
+            v[st * 4 + e] = xv;
+            amax = fmaxf(amax, fabsf(xv));
+          }
+        }
+        amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
+        const float scale = __fmul_rn(amax, 1.0f / 7.0f);
+        const float recip = scale == 0.f ? 0.f : __frcp_rn(scale);
+#pragma unroll
+        for (int st = 0; st < 4; ++st) {
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {  // e4m3 codes (exact) of two neighbouring columns
+            const int q0 = clamp_q(__float2int_rn(__fmul_rn(v[st * 4 + e], recip)));
+            const int q1 = clamp_q(__float2int_rn(__fmul_rn(v[st * 4 + e + 1], recip)));
+            *reinterpret_cast<__nv_fp8x2_storage_t*>(&codes[warp][g + 8 * h][st * 16 + 2 * t + (e / 2) * 8]) =
+                __nv_cvt_float2_to_fp8x2(make_float2(static_cast<float>(q0), static_cast<float>(q1)), __NV_SATFINITE,
+                                         __NV_E4M3);
+          }
+        }
+        const int64_t row = m0 + g + 8 * h;
+        if (t == 0 && row < m_pad) scales[gi * m_pad + row] = from_float<T>(scale);
+      }
+      __syncwarp();
+      {  // lane: row lane / 2, bytes 32 (lane % 2) .. + 31 of the group
+        const int row = lane / 2, half = lane % 2;
+        if (m0 + row < m_pad) {
+          const uint4* src = reinterpret_cast<const uint4*>(&codes[warp][row][half * 32]);
+          uint4* dst = reinterpret_cast<uint4*>(q + (m0 + row) * k_dim + gi * 64 + half * 32);
+          dst[0] = src[0];
+          dst[1] = src[1];
+        }
+      }
+      __syncwarp();
+    }
+    if constexpr (kTiles > 0) {
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const T* frag = down + ((gi * 4 + st) * rank_tiles + tile0) * 256 + lane * 8;
+#pragma unroll
+        for (int rt = 0; rt < kTiles; ++rt) {
+          const uint4 bb = rt < kPrefetch ? b[st][rt < kPrefetch ? rt : 0]
+                                          : *reinterpret_cast<const uint4*>(frag + rt * 256);
+          mma_16816<T>(acc[rt][0], acc[rt][1], acc[rt][2], acc[rt][3], a[st], bb.x, bb.y);
+          mma_16816<T>(acc[rt][4], acc[rt][5], acc[rt][6], acc[rt][7], a[st], bb.z, bb.w);
+        }
+      }
+    }
   }
+  if constexpr (kTiles == 0) return;
+  float* out = lora + int64_t{blockIdx.y} * m_pad * rank;
+#pragma unroll
+  for (int rt = 0; rt < kTiles; ++rt) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {  // D: row g (+ 8 for i % 4 >= 2), rank 2 t (+ 8 for i >= 4)
+      const int64_t row = m0 + g + 8 * ((i / 2) % 2);
+      const int64_t r = (tile0 + rt) * 16 + (i / 4) * 8 + 2 * t;
+      if (row < m_pad) *reinterpret_cast<float2*>(out + row * rank + r) = make_float2(acc[rt][i], acc[rt][i + 1]);
+    }
+  }
+}
+
+// lora_act = the splits' partial sums, added in split order (deterministic).
+__global__ void sum_splits_kernel(const float* __restrict__ partial, float* __restrict__ out, int64_t n,
+                                  int64_t splits) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float s = partial[i];
+  for (int64_t p = 1; p < splits; ++p) s += partial[p * n + i];
+  out[i] = s;
 }
 
 // One warp per (row n, 64-group): offline numerics (fp32, scale = amax / 7
@@ -206,23 +305,55 @@ void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, 
   const ActQuantOutputs outs{&output, &oscales, &lora_act_out};
   check_quantize_act(input, lora_down, smooth, fuse_glu, fp4, pad_size, &outs);
   const int64_t m = input.size(0), k = input.size(1), m_pad = output.size(0);
-  const int64_t rank = lora_act_out.size(1);
+  const int64_t rank = lora_act_out.size(1), groups = k / 64;
   if (m_pad == 0) return;
   const c10::cuda::CUDAGuard guard(input.device());
+  if (k == 0) {  // nothing to quantize; x @ proj_down over no channels is 0
+    lora_act_out.zero_();
+    return;
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // Split K when the 16-row tiles alone would leave the SMs short of warps
+  // (two blocks of 8 per SM); with LoRA a split's partial sums cost a write
+  // and a read of [M_pad, R], so each split keeps at least 4 groups.
+  const int64_t tiles_m = cuda::ceil_div(m_pad, 16);
+  const int64_t want = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 16;
+  // A split's 1 / smooth_factor (kMaxSplitGroups * 256 bytes at most) sits in shared memory.
+  const int64_t max_splits = rank > 0 ? std::max<int64_t>(1, groups / 4) : groups;
+  const int64_t min_splits = cuda::ceil_div(groups, kMaxSplitGroups);
+  const int64_t per_split = cuda::ceil_div(
+      groups, std::max(min_splits, std::clamp<int64_t>(cuda::ceil_div(want, tiles_m), 1, max_splits)));
+  const int64_t splits = cuda::ceil_div(groups, per_split);
+  const size_t smem = smooth ? static_cast<size_t>(per_split) * 64 * sizeof(float) : 0;
+  at::Tensor partial =
+      splits > 1 && rank > 0 ? at::empty({splits, m_pad, rank}, lora_act_out.options()) : lora_act_out;
+  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(tiles_m, kQuantWarps)), static_cast<unsigned>(splits));
   dispatch_half(input.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const dim3 grid(static_cast<unsigned>(m_pad), static_cast<unsigned>(cuda::ceil_div(k / 64, kWarps)));
-    quantize_act_kernel<T><<<grid, 32 * kWarps, 0, stream>>>(
-        reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(smooth),
-        static_cast<uint8_t*>(output.data_ptr()), reinterpret_cast<T*>(oscales.data_ptr()), m, m_pad, k);
-    if (rank > 0) {
-      lora_down_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(m_pad, 16)), 32 * kDownWarps, 0, stream>>>(
-          reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(lora_down),
-          static_cast<float*>(lora_act_out.data_ptr()), m, m_pad, k, rank);
+    // The first launch quantizes (and takes the first rank tiles); ranks past
+    // 16 kDownTiles take more launches over x, LoRA only.
+    const int64_t rank_tiles = rank / 16;
+    for (int64_t tile0 = 0; tile0 == 0 || tile0 < rank_tiles; tile0 += kDownTiles) {
+      const int64_t tiles = std::min<int64_t>(kDownTiles, rank_tiles - tile0);
+      auto* kernel = tiles == 0   ? quantize_act_kernel<T, 0>
+                     : tiles == 1 ? quantize_act_kernel<T, 1>
+                     : tiles == 2 ? quantize_act_kernel<T, 2>
+                     : tiles == 3 ? quantize_act_kernel<T, 3>
+                                  : quantize_act_kernel<T, 4>;
+      kernel<<<grid, 32 * kQuantWarps, smem, stream>>>(
+          reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(smooth), ptr_or_null<T>(lora_down),
+          static_cast<uint8_t*>(output.data_ptr()), reinterpret_cast<T*>(oscales.data_ptr()),
+          rank > 0 ? static_cast<float*>(partial.data_ptr()) : nullptr, m, m_pad, k, rank, static_cast<int>(tile0),
+          per_split, tile0 == 0);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1 && rank > 0) {
+    const int64_t n = m_pad * rank;
+    sum_splits_kernel<<<static_cast<unsigned>(cuda::ceil_div(n, 256)), 256, 0, stream>>>(
+        static_cast<const float*>(partial.data_ptr()), static_cast<float*>(lora_act_out.data_ptr()), n, splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
@@ -235,7 +366,7 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   if (m_pad == 0) return;
   const c10::cuda::CUDAGuard guard(act.device());
-  const bool tensor_cores = !portable_gemm_forced() && sm90::usable(act, ascales, lora_act_in, lora_up, bias, out);
+  const bool tensor_cores = !portable_gemm_forced() && sm90::usable(act);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 block(16, 16);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, 16)), static_cast<unsigned>(cuda::ceil_div(m_pad, 16)));

@@ -36,7 +36,9 @@
 //     input [N, K] T contiguous, N % 128 == 0, K % 128 == 0
 //     -> output [N, K/2] int8 packed (qweight), oscales [G, N] T packed
 //     (wscales). Numerics: quantize_weight (bit-exact).
-// Outputs are contiguous and overlap no operand.
+// Outputs are contiguous and overlap no operand. Every tensor, input or
+// output, starts at a 16-byte aligned address (kTensorAlign; the caching
+// allocator's are, a view with an odd storage offset is rejected).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -50,6 +52,7 @@ inline constexpr int64_t kGroup = 64;
 inline constexpr int64_t kBlockN = 128;
 inline constexpr int64_t kKAlign = 128;
 inline constexpr int64_t kRankAlign = 16;
+inline constexpr int64_t kTensorAlign = 16;  // bytes
 inline constexpr at::ScalarType kActDtype = at::kFloat8_e4m3fn;  // act: e4m3 codes of INT4 values
 
 struct ActQuantOutputs {

@@ -56,17 +56,22 @@ def test_weight_quantizer_is_bit_exact(ops, dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("m,k,r,smooth", [(1, 128, 0, False), (300, 384, 32, True), (4608, 3072, 32, True)])
-def test_activation_quantizer_is_bit_exact_and_lora_down_close(ops, dtype, m, k, r, smooth):
+# (300, 384, 32): one K split, LoRA written directly; (37, 1024, 80, pad 1): M_pad not a multiple of the
+# 16-row tile, ranks past the 64 one launch holds; (1024 | 4608, 3072, 32): K split across blocks, the
+# partial LoRA sums added in split order.
+@pytest.mark.parametrize("m,k,r,smooth,pad", [(1, 128, 0, False, 256), (300, 384, 32, True, 256),
+                                              (37, 1024, 80, True, 1), (1024, 3072, 32, True, 256),
+                                              (4608, 3072, 32, True, 256)])
+def test_activation_quantizer_is_bit_exact_and_lora_down_close(ops, dtype, m, k, r, smooth, pad):
     x = rand(m, k, dtype=dtype, scale=2.0, seed=m)
     s = (torch.rand(k, device=DEV) + 0.5).to(dtype) if smooth else None
     down = rand(r, k, dtype=dtype, scale=0.1, seed=k) if r else None
     packed_s = sq.pack_channel_vector(s.cpu()).to(DEV) if smooth else None
     packed_down = sq.pack_lowrank(down.cpu(), down=True).to(DEV) if r else None
-    m_pad = (m + 255) // 256 * 256
+    m_pad = (m + pad - 1) // pad * pad
     outs = {"output": poisoned((m_pad, k), FP8), "oscales": poisoned((k // 64, m_pad), dtype),
             "lora_act_out": poisoned((m_pad, r), F32)}
-    ops.svdq_quantize_w4a4_act_fuse_lora.out(x, packed_down, packed_s, False, False, 256, **outs)
+    ops.svdq_quantize_w4a4_act_fuse_lora.out(x, packed_down, packed_s, False, False, pad, **outs)
     q, scales = sq.quantize_act(x.cpu(), None if s is None else s.cpu())
     want_q = torch.zeros(m_pad, k, dtype=FP8)
     want_q[:m] = q.to(FP8)  # every INT4 value is an exact e4m3 number
@@ -183,6 +188,23 @@ def test_gemm_with_lora_matches_the_faithful_reference(ops, m, n, k, r):
     assert torch.all((y.double() - want.double()).abs() <= bound)
 
 
+def test_k_zero_gives_zero_lora_act_and_the_bias(ops):
+    """K = 0 is a multiple of 128: nothing to quantize, lora_act = x @ proj_down over no channels = 0, and
+    the GEMM's output is the bias (plus a LoRA of zeros) in every row."""
+    r, n = 32, 128
+    outs = {"output": poisoned((256, 0), FP8), "oscales": poisoned((0, 256), BF16),
+            "lora_act_out": poisoned((256, r), F32)}
+    x, down, smooth = rand(5, 0), rand(0, r), rand(0)
+    ops.svdq_quantize_w4a4_act_fuse_lora.out(x, down, smooth, False, False, 256, **outs)
+    assert torch.all(outs["lora_act_out"] == 0)
+    bias = rand(n, seed=1)
+    up = sq.pack_lowrank(rand(n, r, seed=2).cpu(), down=False).to(DEV)
+    y = ops.svdq_gemm_w4a4(outs["output"], torch.empty(n, 0, dtype=torch.int8, device=DEV), outs["oscales"],
+                           torch.empty(0, n, dtype=BF16, device=DEV), outs["lora_act_out"], up, bias, False, 1.0,
+                           None, False, 1)
+    assert_bitwise(y, sq.unpack_channel_vector(bias.cpu()).expand(256, n).contiguous().to(DEV))
+
+
 def test_bad_input_is_rejected_before_launch_with_the_value_named(ops):
     x = rand(4, 192)
     with pytest.raises(ValueError, match="got 192"):
@@ -196,4 +218,15 @@ def test_bad_input_is_rejected_before_launch_with_the_value_named(ops):
         w = rand(128, 128)
         qw, ws = ops.svdq_quantize_w4a4_wgt(w)
         ops.svdq_gemm_w4a4(act, qw, ascales, ws, None, None, None, False, 1.0, None, False, 1)
+    # A contiguous view one element into its storage: the vector loads would fault, so it is refused.
+    shifted = rand(4 * 128 + 1, 1).view(-1)[1:].view(4, 128)
+    with pytest.raises(ValueError, match=r"input must start at a 16-byte aligned address, got one 2 bytes past "
+                                         r"\(storage_offset 1\)"):
+        ops.svdq_quantize_w4a4_act_fuse_lora(shifted, None, None, False, False, 256)
+    act, ascales, _ = ops.svdq_quantize_w4a4_act_fuse_lora(rand(4, 128), None, None, False, False, 256)
+    qw, ws = ops.svdq_quantize_w4a4_wgt(rand(128, 128))
+    out = torch.empty(256 * 128 + 4, dtype=BF16, device=DEV)[4:].view(256, 128)
+    with pytest.raises(ValueError, match=r"out must start at a 16-byte aligned address, got one 8 bytes past "
+                                         r"\(storage_offset 4\)"):
+        ops.svdq_gemm_w4a4.out(act, qw, ascales, ws, None, None, None, False, 1.0, None, False, 1, out=out)
     torch.cuda.synchronize()  # nothing faulted

@@ -239,8 +239,8 @@ def test_accuracy_improves_with_rank_and_the_references_agree():
         faithful = sq.linear_faithful(x, **t, out_dtype=torch.float32)
         rel[rank], cos = _metrics(ideal, ref)
         assert cos > 0.99, (rank, cos)
-        # The faithful linear differs from the ideal one by its roundings (x / s and the scales stored in
-        # bf16, bf16 lora_act). The largest effect: rounding x / s to bf16 moves about 0.5% of the q across
+        # The faithful linear differs from the ideal one by its roundings (x * (1 / s) and the scales stored in
+        # bf16, bf16 lora_act). The largest effect: rounding x_s to bf16 moves about 0.5% of the q across
         # a rounding boundary by one step, and one step is sqrt(12) times the RMS quantization error, so
         # the difference is about sqrt(0.005 * 12) ~ 0.25 of the quantization error; bound it at twice that.
         assert _metrics(faithful, ideal)[0] < 0.5 * rel[rank] + 1e-3, rank
