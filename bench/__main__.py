@@ -8,7 +8,8 @@ the markdown table and the PNG plot beside it, and prints the table. A full
 run also updates bench/README.md's latest-results section.
 
 Cases (bench/README.md says how each is measured): latency (Python client per
-mode and in-process), cpp_client, pipelined, regions, kernels, scaling.
+mode and in-process), cpp_client, pipelined, regions, kernels, scaling, svdq
+(the W4A4 linear in-process and through the daemon).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import cpp_client, kernel_case, latency, regions, report, scaling, throughput  # noqa: E402
+from bench import cpp_client, kernel_case, latency, regions, report, scaling, svdq_case, throughput  # noqa: E402
 from bench.common import REPO, error_text, log, write_json  # noqa: E402
 from bench.daemon import Daemon, DaemonError  # noqa: E402
 from bench.runner import Runner, Settings, start_daemon  # noqa: E402
 
-# In order of what the issue's targets need most, the most expensive last: when the time budget
-# runs out, what is cut is recorded as skipped.
+# In order of what the issue's targets need most, the most expensive of them last, then what no target
+# covers (svdq: reported): when the time budget runs out, what is cut is recorded as skipped.
 CASES = {
     "latency": latency.run,
     "cpp_client": cpp_client.run,
@@ -44,6 +45,7 @@ CASES = {
     "regions": regions.run,
     "kernels": kernel_case.run,
     "scaling": scaling.run,
+    "svdq": svdq_case.run,
 }
 SCHEMA = "cache-dit-opd-bench/1"
 

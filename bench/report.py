@@ -4,7 +4,7 @@
 
 Writes <same name>.md and <same name>.png beside the JSON and prints the
 markdown. Reads both the full run of ``bench/run.sh`` (``"cases"`` is an
-object: latency, cpp_client, pipelined, regions, kernels, scaling) and the
+object: latency, cpp_client, pipelined, regions, kernels, scaling, svdq) and the
 older kernels-only JSON of ``bench/kernels.py`` (``"cases"`` is a list).
 ``--readme`` also puts the run's target table and plot into bench/README.md
 (between the ``bench:latest`` markers). Needs matplotlib, not torch.
@@ -154,6 +154,48 @@ def scaling_points(res) -> list[dict]:
     return sorted(out, key=lambda p: (p["bound"], p["mode"], p["procs"]))
 
 
+SVDQ_MODES = (INPROC, RING_ASYNC, RING_SYNC, GRPC)
+
+
+def svdq_cell(res, mode, key):
+    e = _get(res, "cases", "svdq", "modes", mode, "shapes", key)
+    return e if isinstance(e, dict) and "isolated_us" in e else None
+
+
+def svdq_keys(res) -> list[str]:
+    """The svdq case's shapes ("MxKxN"), in the order the children measured them."""
+    keys: list[str] = []
+    for mode in SVDQ_MODES:
+        for key in _get(res, "cases", "svdq", "modes", mode, "shapes") or {}:
+            if key not in keys:
+                keys.append(key)
+    return keys
+
+
+def svdq_ratios(res, figure: str) -> dict:
+    """(mode, shape) -> in-process time / remote time of the svdq linear ("isolated_us" or "pipelined_us")."""
+    out = {}
+    for key in svdq_keys(res):
+        base = svdq_cell(res, INPROC, key)
+        for mode in REMOTE:
+            cell = svdq_cell(res, mode, key)
+            if base and cell:
+                out[(mode, key)] = base[figure] / cell[figure]
+    return out
+
+
+def svdq_same_bytes(res) -> dict:
+    """(mode, shape) -> whether the remote child's outputs have the in-process child's bytes."""
+    out = {}
+    for key in svdq_keys(res):
+        base = svdq_cell(res, INPROC, key)
+        for mode in REMOTE:
+            cell = svdq_cell(res, mode, key)
+            if base and cell and base.get("sha256") and cell.get("sha256"):
+                out[(mode, key)] = base["sha256"] == cell["sha256"]
+    return out
+
+
 def kernel_result(res) -> dict | None:
     k = res if is_kernels_only(res) else _get(res, "cases", "kernels")
     return k if isinstance(k, dict) and isinstance(k.get("cases"), list) and k["cases"] else None
@@ -288,12 +330,32 @@ def _kernel_target(res) -> dict:
     return _row("kernels", "Kernel bandwidth", goal, achieved, "met" if met == len(wan) else "missed")
 
 
+def _svdq_rows(res) -> list[dict]:
+    """The W4A4 linear through the daemon (no issue-7 target; none when the case is not in the run): its
+    speed reported against in-process, its outputs expected to have the in-process bytes."""
+    if not isinstance(_get(res, "cases", "svdq"), dict):
+        return []
+    name, goal = "SVDQuant W4A4 linear", "outputs equal to in-process bit for bit; speed reported (% of in-process)"
+    same, pipe = svdq_same_bytes(res), svdq_ratios(res, "pipelined_us")
+    if not pipe:
+        return [_row("svdq", name, goal, "-", "no data")]
+    parts = []
+    for mode in REMOTE:
+        vals = sorted(r for (m, _), r in pipe.items() if m == mode)
+        if vals:
+            parts.append(f"{MODE_NAMES[mode]} {vals[0]:.0%}" + (f"-{vals[-1]:.0%}" if len(vals) > 1 else ""))
+    differ = sorted(f"{MODE_NAMES[m]} {k}" for (m, k), ok in same.items() if not ok)
+    achieved = (f"pipelined {', '.join(parts)}; outputs equal in {sum(same.values())} of {len(same)} mode/shapes"
+                + (f" (differ: {', '.join(differ)})" if differ else ""))
+    return [_row("svdq", name, goal, achieved, "missed" if differ else "reported")]
+
+
 def evaluate(res: dict) -> list[dict]:
-    """One row per issue-7 target: what was achieved and whether it met the target."""
+    """One row per issue-7 target: what was achieved and whether it met the target (and the svdq case's row)."""
     if is_kernels_only(res):
         return [_kernel_target(res)]
     return [*_latency_targets(res), _cpp_target(res), *_cpp_ring_rows(res), *_pipelined_targets(res),
-            *_scaling_targets(res), _kernel_target(res)]
+            *_scaling_targets(res), _kernel_target(res), *_svdq_rows(res)]
 
 
 # -- markdown --------------------------------------------------------------------------------
@@ -483,6 +545,44 @@ def regions_section(res) -> list[str]:
                      "registrations per first call"], rows, "lrrrrr")]
 
 
+def svdq_section(res) -> list[str]:
+    sv = _get(res, "cases", "svdq")
+    if not isinstance(sv, dict):
+        return ["*not run*"]
+    if sv.get("status") == "skipped":
+        return [f"skipped ({sv.get('error')})"]
+    p = sv.get("params", {})
+    out = ["bench/svdq.py's W4A4 linear (bf16, rank 32, LoRA-down/-up and bias; `svdq_quantize_w4a4_act_fuse_lora"
+           ".out` then `svdq_gemm_w4a4.out`), microseconds per linear; in parentheses in-process time / this "
+           "mode's (100%: as fast as in-process). Isolated: CUDA events on the caller's stream around one linear, "
+           f"waited for after each, median of {p.get('iters', '?')}; pipelined: {p.get('n', '?')} linears back to "
+           f"back, then one synchronize, median of {p.get('reps', '?')}.", ""]
+
+    def cell(mode, key, figure):
+        c, base = svdq_cell(res, mode, key), svdq_cell(res, INPROC, key)
+        if c is None:
+            return "error" if isinstance(_get(sv, "modes", mode, "shapes", key), dict) else "-"
+        if mode == INPROC or base is None:
+            return f"{c[figure]:.1f}"
+        return f"{c[figure]:.1f} ({base[figure] / c[figure]:.0%})"
+
+    for figure, title in (("isolated_us", "Isolated"), ("pipelined_us", "Pipelined")):
+        rows = [[*key.split("x"), *(cell(m, key, figure) for m in SVDQ_MODES)] for key in svdq_keys(res)]
+        out += [f"**{title}**", "",
+                *_table(["M", "K", "N", *(MODE_NAMES[m] for m in SVDQ_MODES)], rows, "rrrrrrr"), ""]
+    same = svdq_same_bytes(res)
+    counts = []
+    for mode in REMOTE:
+        mine = [ok for (m, _), ok in same.items() if m == mode]
+        if mine:
+            counts.append(f"{MODE_NAMES[mode]} {sum(mine)} of {len(mine)} shapes"
+                          + ("" if all(mine) else " (**differ**: " + ", ".join(
+                              k for (m, k), ok in same.items() if m == mode and not ok) + ")"))
+    out.append("Outputs with the in-process bytes (sha256 of act, ascales, lora_act and out after the last call): "
+               + ("; ".join(counts) if counts else "not compared") + ".")
+    return out
+
+
 def errors_section(res) -> list[str]:
     """Every error in the JSON, by where it sits: a miss is reported, never hidden."""
     found = []
@@ -536,8 +636,10 @@ def markdown(res: dict) -> str:
              "## 4. Kernels", ""]
     k = kernel_result(res)
     lines += [kernels_table(k) if k else "*no data*", "",
-              "## 5. Region registration", "", *regions_section(res), "",
-              "## Errors", "", *errors_section(res)]
+              "## 5. Region registration", "", *regions_section(res), ""]
+    if isinstance(_get(res, "cases", "svdq"), dict):  # runs before this case have no such section
+        lines += ["## 6. SVDQuant W4A4 linear", "", *svdq_section(res), ""]
+    lines += ["## Errors", "", *errors_section(res)]
     return "\n".join(lines)
 
 

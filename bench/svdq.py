@@ -9,8 +9,10 @@ W4A4 linear's. Operands are random (packed bytes, scales): times do not depend o
 
     python bench/svdq.py --lib build/kernels/libcache_dit_cuda_ops.so [--json out.json] [--quick]
 
-The kernel library is loaded in this process (in-process numbers; through the daemon the same kernels
-run on the daemon's stream).
+The kernel library is loaded in this process (in-process numbers). The same linear through the daemon,
+against in-process in the same run: the ``svdq`` case of the orchestrated suite (``bench/run.sh --only
+svdq``, bench/svdq_case.py), which takes its shapes (``shapes``) and tensors (``inputs``, ``linear_calls``)
+from here.
 """
 
 from __future__ import annotations
@@ -26,16 +28,65 @@ import torch.nn.functional as F
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 FLUX = [(3072, 3072), (3072, 12288), (12288, 3072), (3072, 9216), (15360, 3072)]
 RANK = 32
+PAD = 256  # pad_size: rows are padded to a multiple of it
+OUT_BF16 = 1  # out_dtype_id of bfloat16 (kernels/svdq/svdq.h)
 
 
-def shapes(quick: bool):
+def shapes(quick: bool) -> list[tuple[int, int, int]]:
+    """(M, K, N) of the benchmark: FLUX.1's linears at 4608 tokens, then smaller M."""
     out = [(4608, k, n) for k, n in FLUX]
     out += [(m, 3072, 3072) for m in (1024, 256)]
     return out[:3] if quick else out
 
 
+def shape_key(m: int, k: int, n: int) -> str:
+    return f"{m}x{k}x{n}"
+
+
+def inputs(m: int, k: int, n: int, device: str = "cuda", seed: int = 0) -> dict:
+    """A bf16 rank-32 layer with bias, its input and the linear's outputs (allocated, not computed: no op runs
+    here). Random packed bytes and scales (times do not depend on values), from a seeded generator on the
+    device: every process builds the same bytes. Keys: x, qweight, wscales, smooth, down, up, bias; act,
+    ascales, lora_act (the quantizer's outputs, M padded to 256), out [M_pad, N] bf16."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    m_pad = (m + PAD - 1) // PAD * PAD
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=g) * scale).to(BF16)
+
+    return {
+        "x": randn(m, k),
+        "qweight": torch.randint(-128, 128, (n, k // 2), device=device, dtype=torch.int8, generator=g),
+        "wscales": (torch.rand(k // 64, n, device=device, generator=g) * 0.01 + 1e-3).to(BF16),
+        "smooth": (torch.rand(k, device=device, generator=g) + 0.5).to(BF16),
+        "down": randn(k, RANK, scale=0.02),
+        "up": randn(n, RANK, scale=0.02),
+        "bias": randn(n),
+        "act": torch.empty(m_pad, k, device=device, dtype=FP8),
+        "ascales": torch.empty(k // 64, m_pad, device=device, dtype=BF16),
+        "lora_act": torch.empty(m_pad, RANK, device=device, dtype=torch.float32),
+        "out": torch.empty(m_pad, n, device=device, dtype=BF16),
+    }
+
+
+def linear_calls(ops, t: dict):
+    """(quant, gemm): zero-argument calls of the two ``.out`` overloads the W4A4 linear is made of, on
+    ``inputs``' tensors; ``ops`` is the process's ``torch.ops.cache_dit_cuda_ops`` (the kernel library's ops,
+    or the client's proxies to the daemon)."""
+    def quant():
+        ops.svdq_quantize_w4a4_act_fuse_lora.out(t["x"], t["down"], t["smooth"], False, False, PAD,
+                                                 output=t["act"], oscales=t["ascales"], lora_act_out=t["lora_act"])
+
+    def gemm():
+        ops.svdq_gemm_w4a4.out(t["act"], t["qweight"], t["ascales"], t["wscales"], t["lora_act"], t["up"],
+                               t["bias"], False, 1.0, None, False, OUT_BF16, out=t["out"])
+
+    return quant, gemm
+
+
 def device_time(fn, iters: int) -> float:
-    """Median seconds per call over `iters` timed calls, after warm-up."""
+    """Median seconds per call over `iters` timed calls, after warm-up: CUDA events on the current stream
+    around one call, waited for after each."""
     for _ in range(3):
         fn()
     times = []
@@ -51,20 +102,11 @@ def device_time(fn, iters: int) -> float:
 
 def case(ops, m: int, k: int, n: int, iters: int) -> dict:
     dev = "cuda"
-    x = torch.randn(m, k, device=dev, dtype=BF16)
-    qweight = torch.randint(-128, 128, (n, k // 2), device=dev, dtype=torch.int8)
-    wscales = (torch.rand(k // 64, n, device=dev) * 0.01 + 1e-3).to(BF16)
-    smooth = (torch.rand(k, device=dev) + 0.5).to(BF16)
-    down = (torch.randn(k, RANK, device=dev) * 0.02).to(BF16)
-    up = (torch.randn(n, RANK, device=dev) * 0.02).to(BF16)
-    bias = torch.randn(n, device=dev, dtype=BF16)
-    act, ascales, lora_act = ops.svdq_quantize_w4a4_act_fuse_lora(x, down, smooth, False, False, 256)
-    out = torch.empty(act.shape[0], n, device=dev, dtype=BF16)
-
-    t_quant = device_time(lambda: ops.svdq_quantize_w4a4_act_fuse_lora.out(
-        x, down, smooth, False, False, 256, output=act, oscales=ascales, lora_act_out=lora_act), iters)
-    t_gemm = device_time(lambda: ops.svdq_gemm_w4a4.out(
-        act, qweight, ascales, wscales, lora_act, up, bias, False, 1.0, None, False, 1, out=out), iters)
+    t = inputs(m, k, n, dev)
+    x, bias = t["x"], t["bias"]
+    quant, gemm = linear_calls(ops, t)
+    t_quant = device_time(quant, iters)
+    t_gemm = device_time(gemm, iters)
 
     w = torch.randn(n, k, device=dev, dtype=BF16) * 0.02
     t_bf16 = device_time(lambda: F.linear(x, w, bias), iters)

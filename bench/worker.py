@@ -68,10 +68,10 @@ class Context:
 
 
 def _case_function(case: str):
-    from bench import kernel_case, latency, regions, scaling, throughput
+    from bench import kernel_case, latency, regions, scaling, svdq_case, throughput
 
     return {"latency": latency.child, "pipelined": throughput.child, "scaling": scaling.child,
-            "regions": regions.child, "kernels": kernel_case.child}[case]
+            "regions": regions.child, "kernels": kernel_case.child, "svdq": svdq_case.child}[case]
 
 
 def _cuda_or_exit() -> None:
@@ -87,7 +87,7 @@ def _cuda_or_exit() -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", required=True, choices=("latency", "pipelined", "scaling", "regions", "kernels"))
+    ap.add_argument("--case", required=True, choices=("latency", "pipelined", "scaling", "regions", "kernels", "svdq"))
     ap.add_argument("--mode", required=True, choices=(INPROC, *CLIENT_MODES))
     ap.add_argument("--lib", default="", help="kernel library (in-process mode)")
     ap.add_argument("--device", type=int, default=0)

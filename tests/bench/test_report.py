@@ -127,3 +127,37 @@ def test_cpp_target_counts_grpc_runs_and_ring_runs_are_reported_beside_it(res):
     assert rows["latency.cpp_ring"]["verdict"] == "reported"
     assert "500.0" in rows["latency.cpp_ring"]["achieved"] and "1 of 1 runs" in rows["latency.cpp_ring"]["achieved"]
     assert "| ring | fp8_comm_per_token_quant" in report.markdown(res)
+
+
+def _svdq_case(inproc_us=(300.0, 100.0), remote_us=(310.0, 125.0), sha="ab"):
+    """A svdq case as bench/svdq_case.py's children record it: two shapes, every mode."""
+    keys = ["4608x3072x3072", "256x3072x3072"]
+
+    def shapes(us, digest):
+        return {k: {"m": int(k.split("x")[0]), "k": 3072, "n": 3072, "rank": 32, "isolated_us": u + 5,
+                    "pipelined_us": u, "sha256": digest} for k, u in zip(keys, us)}
+
+    modes = {"inproc": {"status": "ok", "shapes": shapes(inproc_us, sha)}}
+    for mode in ("async", "sync", "grpc"):
+        modes[mode] = {"status": "ok", "shapes": shapes(remote_us, sha)}
+    return {"status": "ok", "params": {"quick": False, "iters": 30, "n": 50, "reps": 3, "warmup": 4}, "modes": modes}
+
+
+def test_svdq_case_renders_its_ratios_and_flags_outputs_that_differ(res):
+    assert "svdq" not in verdicts(res) and "## 6." not in report.markdown(copy.deepcopy(res))  # older runs
+    res["cases"]["svdq"] = _svdq_case()
+    row = verdicts(res)["svdq"]
+    assert row["verdict"] == "reported"
+    assert "ring async 80%-97%" in row["achieved"] and "outputs equal in 6 of 6" in row["achieved"]
+    md = report.markdown(copy.deepcopy(res))
+    assert "## 6. SVDQuant W4A4 linear" in md
+    assert "| 4608 | 3072 | 3072 | 305.0 | 315.0 (97%) |" in md  # isolated: in-process / remote
+    assert "| 256 | 3072 | 3072 | 100.0 | 125.0 (80%) |" in md  # pipelined
+    assert "ring async 2 of 2 shapes" in md and "differ" not in md
+    res["cases"]["svdq"]["modes"]["grpc"]["shapes"]["256x3072x3072"]["sha256"] = "cd"
+    row = verdicts(res)["svdq"]
+    assert row["verdict"] == "missed" and "gRPC 256x3072x3072" in row["achieved"]
+    assert "gRPC 1 of 2 shapes (**differ**: 256x3072x3072)" in report.markdown(copy.deepcopy(res))
+    res["cases"]["svdq"]["modes"]["sync"] = {"status": "error", "error": "child timed out"}
+    md = report.markdown(copy.deepcopy(res))
+    assert "| 4608 | 3072 | 3072 | 305.0 | 315.0 (97%) | - |" in md and "child timed out" in md

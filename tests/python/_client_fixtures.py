@@ -10,6 +10,9 @@
   handles the fake daemon decodes (base, size, buffer id); ``DeviceTensor``: what the client reads of
   a CUDA tensor, at an address of such an allocation.
 * ``ref``: the ops' reference semantics (``kernels/reference.py``); ``ref_merge`` rounds the merge's.
+  ``sq``: SVDQuant's packers, unpackers and kernel-faithful numerics (``kernels/svdq_reference.py``);
+  ``svdq_layer`` / ``svdq_act_outputs`` build a W4A4 layer's packed checkpoint tensors and the activation
+  quantizer's outputs from them; ``svdq_gemm_reference`` is the GEMM's faithful sum from its own operands.
 * Paths of the built kernel library and binaries (``CACHE_DIT_OPD_BUILD_DIR``, default ``<repo>/build``).
 """
 
@@ -36,6 +39,7 @@ from bench.daemon import Daemon, DaemonError  # noqa: E402,F401
 
 sys.path.insert(0, os.path.join(REPO, "kernels"))
 import reference as ref  # noqa: E402  (the ops' PyTorch semantics, kernels/reference.py)
+import svdq_reference as sq  # noqa: E402  (SVDQuant's layouts and kernel-faithful numerics)
 
 sys.path.remove(os.path.join(REPO, "kernels"))
 
@@ -181,3 +185,90 @@ class DeviceTensor:
 
     def get_device(self) -> int:
         return self._device
+
+
+# -- SVDQuant W4A4 inputs and the GEMM's reference (kernels/svdq_reference.py) ---------------------------
+
+
+def svdq_layer(g, dtype, m: int, k: int, n: int, rank: int) -> dict:
+    """A W4A4 linear's input and packed checkpoint tensors (nunchaku's names and layouts), on the CPU, from
+    the generator ``g``.
+
+    What ``sq.quantize_linear`` makes of a float layer, without its SVD (LAPACK need not return the same bits
+    in every process, and the GPU suite rebuilds these in a child process to compare bytes): the smoothed
+    weight is drawn as its rank-R split plus a residual, W diag(s) = up @ down + residual, the residual
+    quantized per 64-group (``sq.quantize_weight``, one all-zero group), proj_down = down / s (the kernels
+    apply LoRA to the raw input), every tensor packed by the checkpoint packers in the model dtype.
+    Keys: x [M, K] (row 1 all zero); smooth_factor [K]; qweight [N, K/2] int8; wscales [K/64, N];
+    bias [N]; proj_down [K, R] and proj_up [N, R] (None for rank 0).
+    """
+    import torch
+
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    x[1] = 0  # an all-zero row: scale 0, q 0, lora_act 0
+    s = (torch.rand(k, generator=g) + 0.5).to(dtype)  # the smoothing, in [0.5, 1.5), as stored
+    residual = torch.randn(n, k, generator=g) * 0.05
+    residual[0, :sq.GROUP] = 0  # an all-zero weight group: scale 1
+    q, scales = sq.quantize_weight(residual, dtype)
+    out = {"x": x, "smooth_factor": sq.pack_channel_vector(s), "qweight": sq.pack_qweight(q),
+           "wscales": sq.pack_wscales(scales),
+           "bias": sq.pack_channel_vector((torch.randn(n, generator=g) * 0.1).to(dtype)),
+           "proj_down": None, "proj_up": None}
+    if rank:
+        up = torch.randn(n, rank, generator=g) * 0.1
+        down = torch.randn(rank, k, generator=g) * 0.1  # the smoothed weight's
+        out["proj_down"] = sq.pack_lowrank((down / s.float()).to(dtype), down=True)
+        out["proj_up"] = sq.pack_lowrank(up.to(dtype), down=False)
+    return out
+
+
+def svdq_act_outputs(x, smooth, proj_down, pad_size: int):
+    """What ``svdq_quantize_w4a4_act_fuse_lora(x, proj_down, smooth, False, False, pad_size)`` returns
+    (kernels/svdq/svdq.h layouts), from the references, on the CPU: act [M_pad, K] e4m3 codes and ascales
+    [K/64, M_pad] as the kernel writes them (``sq.quantize_act``, which it equals bit for bit; pad rows q 0,
+    scale 0); lora_act [M_pad, R] float32: x @ proj_down in float64 rounded once (the kernel's fp32 sum is
+    within K roundings of it; pad rows 0)."""
+    import torch
+
+    m, k = x.shape
+    m_pad = (m + pad_size - 1) // pad_size * pad_size
+    q, scales = sq.quantize_act(x, None if smooth is None else sq.unpack_channel_vector(smooth))
+    act = torch.zeros(m_pad, k, dtype=torch.float8_e4m3fn)
+    act[:m] = q.to(torch.float8_e4m3fn)  # every INT4 value is an exact e4m3 number
+    ascales = torch.zeros(k // sq.GROUP, m_pad, dtype=x.dtype)
+    ascales[:, :m] = scales.t()
+    rank = 0 if proj_down is None else proj_down.shape[1]
+    lora_act = torch.zeros(m_pad, rank, dtype=torch.float32)
+    if rank:
+        down = sq.unpack_lowrank(proj_down, down=True)
+        lora_act[:m] = (x.double() @ down.double().t()).float()
+    return act, ascales, lora_act
+
+
+def svdq_gemm_reference(act, wgt, ascales, wscales, lora_act_in=None, lora_up=None, bias=None):
+    """``svdq_gemm_w4a4``'s sum from its own operands, on the CPU: ``(acc, lora, lora_abs)``.
+
+    ``acc`` [M_pad, N] float32 is the main part and the bias exactly as the kernels compute it (the loop of
+    ``sq.linear_faithful``: exact integer group dots; per group in order acc = fma(dot * ascale, wscale, acc)
+    in fp32, dot * ascale exact; then + bias). ``lora`` [M_pad, N] float64 is LoRA-up on lora_act rounded to
+    the model dtype (as both kernel paths round it) and ``lora_abs`` the sum of its terms' magnitudes (to
+    bound the kernels' fp32 sums, whose order is each path's own); both None without LoRA.
+    """
+    import torch
+
+    q_x = act.cpu().float().to(torch.int64)  # [M_pad, K] INT4 values
+    q_w = sq.unpack_qweight(wgt.cpu()).to(torch.int64)  # [N, K]
+    ws = sq.unpack_wscales(wscales.cpu()).float()  # [N, K/64]
+    a_s = ascales.cpu().float()  # [K/64, M_pad]
+    acc = torch.zeros(q_x.shape[0], q_w.shape[0], dtype=torch.float32)
+    for gi in range(q_x.shape[1] // sq.GROUP):
+        cols = slice(gi * sq.GROUP, (gi + 1) * sq.GROUP)
+        dot = (q_x[:, cols] @ q_w[:, cols].t()).to(torch.float32)
+        acc = sq.fma_f32(dot * a_s[gi].unsqueeze(1), ws[:, gi].unsqueeze(0), acc)
+    if bias is not None:
+        acc = acc + sq.unpack_channel_vector(bias.cpu()).float()
+    if lora_up is None:
+        return acc, None, None
+    la = lora_act_in.cpu().to(wscales.dtype).double()
+    up = sq.unpack_lowrank(lora_up.cpu(), down=False).double()
+    return acc, la @ up.t(), la.abs() @ up.abs().t()

@@ -74,7 +74,48 @@ def gpu_cases(device="cuda"):
             x = rn(b, s, p, n, d, dtype=BF16, scale=2)
         cases.append(("fp8_comm_qkv_permute_quant", (x,)))
         cases.append(("fp8_comm_qkv_permute_dequant", (fx.ref.qkv_permute_quant(x.contiguous())[p - 1],)))
+    # svdq (W4A4): a layer's packed checkpoint tensors from random float weights (fx.svdq_layer). The GEMM
+    # takes the activation quantizer's outputs for that layer (fx.svdq_act_outputs: the bytes the quantizer
+    # writes, itself a case here), with LoRA-up and bias in each output dtype (out_dtype_id 0 float16,
+    # 1 bfloat16, 2 float32: kernels/svdq/svdq.h), and without either. M_pad = 512 (8 | M_pad) takes the
+    # tensor-core GEMM on sm_90a, M_pad = 300 (pad_size 1) the portable one; both sides take the same.
+    rank0 = []
+    for dtype in (BF16, torch.float16):
+        m, k, n, r, pad = 300, 384, 256, 32, 256
+        layer = fx.svdq_layer(g, dtype, m, k, n, r)
+        x, smooth, down = layer["x"], layer["smooth_factor"], layer["proj_down"]
+        cases.append(("svdq_quantize_w4a4_act_fuse_lora",
+                      (x.to(device), down.to(device), smooth.to(device), False, False, pad)))
+        act, ascales, lora_act = (t.to(device) for t in fx.svdq_act_outputs(x, smooth, down, pad))
+        qweight, wscales, up, bias = (layer[key].to(device) for key in ("qweight", "wscales", "proj_up", "bias"))
+        for out_dtype_id in (0, 1, 2):
+            cases.append(("svdq_gemm_w4a4", (act, qweight, ascales, wscales, lora_act, up, bias, False, 1.0, None,
+                                             False, out_dtype_id)))
+        cases.append(("svdq_gemm_w4a4", (act, qweight, ascales, wscales, None, None, None, False, 1.0, None, False,
+                                         2)))
+        act1, ascales1, _ = (t.to(device) for t in fx.svdq_act_outputs(x, smooth, None, 1))
+        cases.append(("svdq_gemm_w4a4", (act1, qweight, ascales1, wscales, None, None, None, False, 1.0, None,
+                                         False, 1 if dtype == BF16 else 0)))
+        w = rn(n, k, dtype=dtype, scale=0.05)
+        w[0, :64] = 0  # an all-zero group: scale 1, q 0
+        cases.append(("svdq_quantize_w4a4_wgt", (w,)))
+        rank0.append(("svdq_quantize_w4a4_act_fuse_lora", (x.to(device), None, None, False, False, 128)))
+    # Rank 0 (no LoRA, no smoothing: lora_act_out is [M_pad, 0]) last, so that what fails there leaves the
+    # others checked.
+    cases += rank0
     return cases
+
+
+SVDQ_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # out_dtype_id 0, 1, 2 (kernels/svdq/svdq.h)
+
+
+def _kernels_call(op, args):
+    """The op through the public surface cache_dit_opd.kernels, on a case's schema arguments: the GEMM's
+    wrapper takes output_dtype where the schema takes out_dtype_id."""
+    if op == "svdq_gemm_w4a4":
+        *rest, out_dtype_id = args
+        return kernels.svdq_gemm_w4a4(*rest, output_dtype=SVDQ_OUT_DTYPES[out_dtype_id])
+    return getattr(kernels, op)(*args)
 
 
 def _outputs_bytes(outs):
@@ -114,7 +155,7 @@ def daemon():
 def _run_daemon_cases():
     results = []
     for op, args in gpu_cases():
-        results.append(_outputs_bytes(getattr(kernels, op)(*args)))
+        results.append(_outputs_bytes(_kernels_call(op, args)))
     torch.cuda.synchronize()
     return results
 
@@ -163,9 +204,12 @@ def _baseline(tmp_path):
 def test_available_and_info(daemon):
     assert kernels.attn_extension_is_available() and kernels.comm_extension_is_available()
     assert kernels.attn_get_load_error() is None
+    assert kernels.svdq_extension_is_available() and kernels.svdq_get_load_error() is None
     info = cache_dit_opd.daemon_info()
     assert info["address"] == daemon.address and info["protocol_version"] == _wire.PROTOCOL_VERSION
     assert "fp8_comm_per_token_quant.out" in info["catalog"]
+    for op in SVDQ_OUTS:
+        assert f"{op}.out" in info["catalog"], op
     from cache_dit_opd import _discovery
 
     assert info["gpu_uuid"] == _discovery.gpu_uuid(0)
@@ -175,10 +219,15 @@ def test_every_op_equals_in_process_bitwise(daemon, tmp_path):
     ours = _run_daemon_cases()
     theirs = _baseline(tmp_path)
     names = [op for op, _ in gpu_cases()]
-    assert len(ours) == len(theirs)
+    assert len(ours) == len(theirs) == len(names)
+    differ = []  # every differing output, not only the first
     for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert len(a) == len(b), f"case {i} ({names[i]}): {len(a)} outputs, in-process {len(b)}"
         for j, (x, y) in enumerate(zip(a, b)):
-            assert torch.equal(x, y), f"case {i} ({names[i]}) output {j} differs from the in-process kernel"
+            if not torch.equal(x, y):
+                n = int((x != y).sum()) if x.shape == y.shape else "all"
+                differ.append(f"case {i} ({names[i]}) output {j}: {n} of {y.numel()} bytes")
+    assert not differ, "differ from the in-process kernel: " + "; ".join(differ)
 
 
 def _assert_fp8_roundtrip(decoded, x):
@@ -189,9 +238,90 @@ def _assert_fp8_roundtrip(decoded, x):
     assert ((decoded - x).abs() <= bound).all(), (decoded - x).abs().max()
 
 
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _assert_bitwise(actual, expected, what=""):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        what, actual.shape, actual.dtype, expected.shape, expected.dtype)
+    a, e = actual.contiguous().view(torch.uint8).cpu(), expected.contiguous().view(torch.uint8).cpu()
+    diff = (a != e).nonzero()
+    assert diff.numel() == 0, f"{what}: {diff.shape[0]} bytes differ, first at {diff[:5].tolist()}"
+
+
+def _check_svdq_act(args, got):
+    """Bit-exact quantizer (kernels/svdq_reference.py quantize_act: x / smooth rounded to the model dtype,
+    amax * (1/7) in fp32, round half to even of x * (1 / scale), pad rows q 0 and scale 0); lora_act within K
+    fp32 roundings of the float64 x @ proj_down (the kernel's sum order is its own; tests/kernels/test_svdq_gpu.py)."""
+    x, lora_down, smooth, _, _, pad_size = args
+    act, ascales, lora_act = got
+    m, k = x.shape
+    m_pad = (m + pad_size - 1) // pad_size * pad_size
+    rank = 0 if lora_down is None else lora_down.shape[1]
+    want_act, want_ascales, _ = fx.svdq_act_outputs(x.cpu(), None if smooth is None else smooth.cpu(), None,
+                                                    pad_size)
+    _assert_bitwise(act, want_act, "act")
+    _assert_bitwise(ascales, want_ascales, "ascales")
+    assert lora_act.shape == (m_pad, rank) and lora_act.dtype == torch.float32 and lora_act.is_contiguous()
+    if rank:
+        xd = x.cpu().double()
+        down = fx.sq.unpack_lowrank(lora_down.cpu(), down=True).double()
+        la = lora_act.cpu().double()
+        bound = k * EPS32 * (xd.abs() @ down.abs().t())
+        err = (la[:m] - xd @ down.t()).abs()
+        assert (err <= bound).all(), f"lora_act: error {err.max():.3g}, over its bound by {(err - bound).max():.3g}"
+        assert (la[m:] == 0).all()
+
+
+def _check_svdq_gemm(args, got):
+    """Without LoRA bit-exact (kernels/svdq/svdq.h: bit-exact on every path); with LoRA-up within the fp32
+    roundings of the LoRA sum, whose order is the kernel path's own, then one rounding to the output dtype."""
+    act, wgt, ascales, wscales, lora_act, lora_up, bias, _, _, _, _, out_dtype_id = args
+    out_dtype = SVDQ_OUT_DTYPES[out_dtype_id]
+    assert got.shape == (act.shape[0], wgt.shape[0]) and got.dtype == out_dtype and got.is_contiguous()
+    acc, lora, lora_abs = fx.svdq_gemm_reference(act, wgt, ascales, wscales, lora_act, lora_up, bias)
+    if lora is None:
+        _assert_bitwise(got, acc.to(out_dtype), "out")  # pad rows included: 0, or the bias
+        return
+    # The portable kernel sums the R products in a chain of fp32 FMAs, then adds it to acc; the tensor-core
+    # one adds them into acc with one m16n8k16 MMA per 16 ranks, which aligns its 17 addends to the largest
+    # and truncates (at most 2 ulp of that per addend, 1 of the result). Worst cases of both, each against
+    # the magnitudes it involves:
+    rank = lora_up.shape[1]
+    a = acc.double().abs() + lora_abs
+    bound = EPS32 * ((rank + 1) * lora_abs + ((2 * 17 + 1) * -(-rank // 16) + 1) * a)
+    want = acc.double() + lora
+    if out_dtype != torch.float32:  # and the final rounding to the output dtype (half an ulp)
+        fi = torch.finfo(out_dtype)
+        bound = bound + fi.eps / 2 * (want.abs() + bound) + fi.smallest_normal * fi.eps
+    err = (got.cpu().double() - want).abs()
+    assert (err <= bound).all(), (f"out ({out_dtype}): error {err.max():.3g}, over its bound by "
+                                  f"{(err - bound).max():.3g}")
+
+
+def _check_svdq_wgt(args, got):
+    """Bit-exact (quantize_weight: amax / 7 rounded to the model dtype, 1 for an all-zero group, round half to
+    even of w / scale), in the checkpoint's packed layouts."""
+    (w,) = args
+    qweight, wscales = got
+    q, scales = fx.sq.quantize_weight(w.cpu(), w.dtype)
+    _assert_bitwise(wscales, fx.sq.pack_wscales(scales), "wscales")
+    _assert_bitwise(qweight, fx.sq.pack_qweight(q), "qweight")
+
+
+SVDQ_CHECKS = {"svdq_quantize_w4a4_act_fuse_lora": _check_svdq_act, "svdq_gemm_w4a4": _check_svdq_gemm,
+               "svdq_quantize_w4a4_wgt": _check_svdq_wgt}
+
+
 def test_every_op_matches_the_reference_math(daemon):
-    for op, args in gpu_cases():
-        got = getattr(kernels, op)(*args)
+    for c, (op, args) in enumerate(gpu_cases()):
+        got = _kernels_call(op, args)
+        if op in SVDQ_CHECKS:
+            try:
+                SVDQ_CHECKS[op](args, got)
+            except AssertionError as e:
+                raise AssertionError(f"case {c} ({op}): {e}") from None
+            continue
         if op == "fused_merge_attn_states":
             out, lse = got
             want_out, want_lse = fx.ref_merge(*args)
@@ -223,6 +353,36 @@ def test_out_overloads_and_empty_inputs(daemon):
     assert torch.equal(buf.view(torch.uint8), kernels.fp8_comm_per_token_quant(x).view(torch.uint8))
     empty = kernels.fp8_comm_per_token_quant(torch.empty(0, 64, device="cuda", dtype=BF16))
     assert empty.shape == (0, 66)
+
+
+SVDQ_OUTS = {"svdq_quantize_w4a4_act_fuse_lora": ("output", "oscales", "lora_act_out"), "svdq_gemm_w4a4": ("out",),
+             "svdq_quantize_w4a4_wgt": ("output", "oscales")}
+
+
+def _poisoned_like(t):
+    """A tensor of t's shape and dtype with every byte 0xFF (NaN in every float dtype used here)."""
+    return torch.full((t.numel() * t.element_size(),), 255, dtype=torch.uint8, device=t.device).view(
+        t.dtype).view(t.shape)
+
+
+def test_svdq_out_overloads_write_every_output_byte(daemon):
+    """Each svdq case through its .out overload on outputs filled with 0xFF returns the buffers it was given,
+    holding the bytes of the functional form (compared with the in-process kernels above), pad rows included."""
+    ops = torch.ops.cache_dit_cuda_ops
+    seen = 0
+    for i, (op, args) in enumerate(gpu_cases()):
+        if op not in SVDQ_OUTS:
+            continue
+        want = _kernels_call(op, args)
+        want = want if isinstance(want, tuple) else (want,)
+        bufs = [_poisoned_like(t) for t in want]
+        got = getattr(ops, op).out(*args, **dict(zip(SVDQ_OUTS[op], bufs)))
+        got = got if isinstance(got, tuple) else (got,)
+        assert len(got) == len(bufs) and all(a is b for a, b in zip(got, bufs)), f"case {i} ({op})"
+        for name, b, w in zip(SVDQ_OUTS[op], bufs, want):
+            _assert_bitwise(b, w, f"case {i} ({op}) {name}")
+        seen += 1
+    assert seen == sum(op in SVDQ_OUTS for op, _ in gpu_cases()) > 0
 
 
 def test_a_bad_out_call_raises_the_kernels_message_and_the_session_goes_on(daemon):
@@ -299,11 +459,11 @@ import sys, hashlib, torch
 sys.path.insert(0, {tests!r})
 import cache_dit_opd
 from cache_dit_opd import kernels
-from test_client_gpu import gpu_cases, _outputs_bytes, _digest
+from test_client_gpu import gpu_cases, _kernels_call, _outputs_bytes, _digest
 mode = {mode!r}
 iters = 0
 while True:
-    res = [_outputs_bytes(getattr(kernels, op)(*args)) for op, args in gpu_cases()]
+    res = [_outputs_bytes(_kernels_call(op, args)) for op, args in gpu_cases()]
     torch.cuda.synchronize()
     iters += 1
     if mode == "digest":

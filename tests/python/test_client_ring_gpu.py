@@ -28,7 +28,7 @@ pytestmark = [
 
 import cache_dit_opd  # noqa: E402
 from cache_dit_opd import _native, _session, kernels  # noqa: E402
-from test_client_gpu import _baseline, _lines, _outputs_bytes, gpu_cases  # noqa: E402
+from test_client_gpu import _baseline, _kernels_call, _lines, _outputs_bytes, gpu_cases  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 MODES = ("sync", "async")
@@ -102,7 +102,7 @@ _BASELINE = {}
 @pytest.mark.parametrize("mode", MODES)
 def test_every_op_equals_in_process_bitwise(daemon, tmp_path, mode):
     with _mode(mode):
-        ours = [_outputs_bytes(getattr(kernels, op)(*args)) for op, args in gpu_cases()]
+        ours = [_outputs_bytes(_kernels_call(op, args)) for op, args in gpu_cases()]
     cache_dit_opd.synchronize()
     if "theirs" not in _BASELINE:
         _BASELINE["theirs"] = _baseline(tmp_path)
