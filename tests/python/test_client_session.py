@@ -151,7 +151,10 @@ def test_a_call_of_only_empty_tensors_is_checked_by_the_daemon_and_registers_not
     assert st.calls == 1 and st.errors == 0 and st.regions == 0 and len(c.s.regions) == 0
     with pytest.raises(ValueError, match=r"x must be torch\.bfloat16, got torch\.float16"):
         c.run("fp8_comm_per_token_quant", [_empty(0, 64, dtype=torch.float16), _empty(0, 66, dtype=FP8)])
-    assert session_stats(c).errors == 1 and c.s.failed is None
+    # The rejection is answered before the executor counts it; a later call on the lane finishes after it.
+    c.run("fp8_comm_per_token_quant", [_empty(0, 64), _empty(0, 66, dtype=FP8)])
+    st = session_stats(c)
+    assert st.calls == 2 and st.errors == 1 and c.s.failed is None
 
 
 def test_region_zero_with_elements_is_a_bad_argument_naming_the_tensor(daemon):
