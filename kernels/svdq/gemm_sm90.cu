@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "kernels/common/cuda_utils.cuh"
+#include "kernels/svdq/epilogue.cuh"
 #include "kernels/svdq/layouts.cuh"
 #include "kernels/svdq/mma.cuh"
 
@@ -180,15 +181,6 @@ __device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const 
   }
 }
 
-template <typename Out>
-__device__ __forceinline__ void store2(Out* p, float x, float y) {
-  if constexpr (std::is_same_v<Out, float>) {
-    *reinterpret_cast<float2*>(p) = make_float2(x, y);
-  } else {
-    *reinterpret_cast<uint32_t*>(p) = pack2<Out>(x, y);
-  }
-}
-
 #endif  // CACHE_DIT_SVDQ_WGMMA_BODY
 
 template <typename T, typename Out>
@@ -261,52 +253,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(&s.empty[i]);
   }
 
-  // Epilogue: + bias, then + LoRA-up, then store. Row g (+ 8) of this warp,
-  // columns 8 j + 2 t (+ 1).
-  const int g = lane / 4, t = lane % 4;
-  const int64_t row0 = m0 + wg_row + (threadIdx.x % 128) / 32 * 16 + g;
-  if (bias != nullptr) {
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {  // packed: 4 values at (n0 / 128 * 32 + 4 jj + t) * 4
-      const uint2 raw = *reinterpret_cast<const uint2*>(bias + (int64_t{blockIdx.x} * 32 + jj * 4 + t) * 4);
-      const T* b = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const int i = jj * 8 + r;  // (2 jj + r / 4) * 4 + r % 4
-        acc[i] = __fadd_rn(acc[i], cuda::to_float(b[(r / 4) * 2 + r % 2]));
-      }
-    }
-  }
-  if (rank > 0) {
-    for (int kr = 0; kr < rank / 16; ++kr) {
-      float2 x[4] = {};  // (row0, k 2t), (row0 + 8, k 2t), (row0, k 2t + 8), (row0 + 8, k 2t + 8)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int64_t row = row0 + (q % 2) * 8;
-        if (row < m_pad) {
-          x[q] = *reinterpret_cast<const float2*>(lora_act + row * rank + kr * 16 + 2 * t + (q / 2) * 8);
-        }
-      }
-      const uint32_t a[4] = {pack2<T>(x[0].x, x[0].y), pack2<T>(x[1].x, x[1].y), pack2<T>(x[2].x, x[2].y),
-                             pack2<T>(x[3].x, x[3].y)};
-#pragma unroll
-      for (int cc = 0; cc < 8; ++cc) {  // 16-channel tile cc: words (n_half, k_half) of lane's 16 bytes
-        const uint4 b = *reinterpret_cast<const uint4*>(up + ((int64_t{n0} / 16 + cc) * (rank / 16) + kr) * 256 +
-                                                        lane * 8);
-        float* d = acc + 8 * cc;
-        mma_16816<T>(d[0], d[1], d[2], d[3], a, b.x, b.y);
-        mma_16816<T>(d[4], d[5], d[6], d[7], a, b.z, b.w);
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + 8 * h;
-      if (row < m_pad) store2<Out>(out + row * n_cols + n0 + 8 * j + 2 * t, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
-    }
-  }
+  // Row g (+ 8) of this warp.
+  const int64_t row0 = m0 + wg_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+  epilogue<T, Out>(acc, bias, lora_act, up, out, row0, n0, m_pad, n_cols, rank, lane);
 #else
   __trap();  // never launched: the host takes this path only where the sm_90a image exists
 #endif

@@ -18,6 +18,7 @@
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/ops.h"
+#include "kernels/svdq/gemm_int4.h"
 #include "kernels/svdq/gemm_sm90.h"
 #include "kernels/svdq/layouts.cuh"
 #include "kernels/svdq/mma.cuh"
@@ -284,14 +285,19 @@ void dispatch_half(at::ScalarType t, F&& f) {
   }
 }
 
-// CACHE_DIT_SVDQ_GEMM=portable (read once) sends every GEMM to the portable
-// kernel, so one GPU can check both paths against each other.
-bool portable_gemm_forced() {
-  static const bool forced = [] {
+// CACHE_DIT_SVDQ_GEMM (read once): "portable" sends every GEMM to the
+// portable kernel, "int4" to the INT4 mma.sync one wherever that runs (on
+// sm_90 too, where the instruction is emulated: slow, but exact), so one GPU
+// can check each path against the others.
+enum class GemmPath { kAuto, kPortable, kInt4 };
+GemmPath forced_gemm_path() {
+  static const GemmPath path = [] {
     const char* v = std::getenv("CACHE_DIT_SVDQ_GEMM");
-    return v != nullptr && std::strcmp(v, "portable") == 0;
+    if (v != nullptr && std::strcmp(v, "portable") == 0) return GemmPath::kPortable;
+    if (v != nullptr && std::strcmp(v, "int4") == 0) return GemmPath::kInt4;
+    return GemmPath::kAuto;
   }();
-  return forced;
+  return path;
 }
 
 template <typename T>
@@ -366,7 +372,9 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   if (m_pad == 0) return;
   const c10::cuda::CUDAGuard guard(act.device());
-  const bool tensor_cores = !portable_gemm_forced() && sm90::usable(act);
+  const GemmPath forced = forced_gemm_path();
+  const bool wgmma = forced == GemmPath::kAuto && sm90::usable(act);
+  const bool mma_s4 = forced != GemmPath::kPortable && !wgmma && int4::usable(act, forced == GemmPath::kInt4);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 block(16, 16);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, 16)), static_cast<unsigned>(cuda::ceil_div(m_pad, 16)));
@@ -374,8 +382,12 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
     using T = decltype(tag);
     auto launch = [&](auto* o) {
       using Out = std::remove_pointer_t<decltype(o)>;
-      if (tensor_cores) {
+      if (wgmma) {
         sm90::gemm<T, Out>(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, o);
+        return;
+      }
+      if (mma_s4) {
+        int4::gemm<T, Out>(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, o);
         return;
       }
       gemm_kernel<T, Out><<<grid, block, 0, stream>>>(

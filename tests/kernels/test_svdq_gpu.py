@@ -117,9 +117,11 @@ def test_gemm_without_lora_is_bit_exact(ops, out_dtype, m, n, k, pad):
     assert_bitwise(y[:m], want.to(DEV))
 
 
-def test_the_portable_kernel_equals_the_tensor_core_one(ops, tmp_path):
-    """CACHE_DIT_SVDQ_GEMM=portable (in a child process) against this process's sm_90a path: equal bits
-    without LoRA, within the LoRA sums' rounding with it (the two sum R in different orders)."""
+@pytest.mark.parametrize("path", ["portable", "int4"])
+def test_the_other_gemm_paths_equal_this_one(ops, tmp_path, path):
+    """CACHE_DIT_SVDQ_GEMM=portable | int4 (in a child process: the CUDA-core kernel, or the INT4 mma.sync one,
+    which sm_90 emulates) against this process's sm_90a path: equal bits without LoRA, within the LoRA sums'
+    rounding with it (the paths sum R in different orders)."""
     torch.manual_seed(0)
     x, ckpt = _layer(BF16, 640, 256, 1024, r=32, seed=5)
     torch.save({"x": x, "ckpt": ckpt}, tmp_path / "in.pt")
@@ -134,16 +136,16 @@ dev = {{k: v.to("cuda") for k, v in d["ckpt"].items()}}
 ys = [t._gemm(ops, d["x"], dev, torch.float32, lora).cpu() for lora in (False, True)]
 torch.save(ys, {str(tmp_path / "out.pt")!r})
 """
-    env = dict(os.environ, CACHE_DIT_SVDQ_GEMM="portable", PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, CACHE_DIT_SVDQ_GEMM=path, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", child], check=True, env=env, cwd=os.path.dirname(__file__))
-    portable = torch.load(tmp_path / "out.pt")
+    other = torch.load(tmp_path / "out.pt")
     dev = {key: t.to(DEV) for key, t in ckpt.items()}
     mine = [_gemm(ops, x, dev, F32, lora).cpu() for lora in (False, True)]
-    assert_bitwise(mine[0], portable[0])
+    assert_bitwise(mine[0], other[0])
     t = sq.unpack_linear(ckpt)
     lora_mag = (x.double().abs() @ t["down"].double().abs().t()) @ t["up"].double().abs().t()
     bound = lora_mag * 64 * EPS32 + 1e-6
-    assert torch.all((mine[1][:640].double() - portable[1][:640].double()).abs() <= bound)
+    assert torch.all((mine[1][:640].double() - other[1][:640].double()).abs() <= bound)
 
 
 def test_accuracy_against_the_float_linear_improves_with_rank(ops):

@@ -101,6 +101,74 @@ def test_lowrank_tiles_are_mma_b_fragments():
     assert frag[lane].tolist() == want
 
 
+def _mma_m16n8k64_s4(a_regs, b_regs):
+    """mma.sync.m16n8k64.row.col.s32.s4.s4.s32 as PTX defines its fragments: per lane 4 g + t, A a0 / a1
+    rows g / g + 8 with k 8 t .. 8 t + 7 (nibble i is k 8 t + i, low nibble first), a2 / a3 the same at
+    k + 32; B b0 column g, k 8 t + i, b1 k + 32; D d0, d1 row g, columns 2 t, 2 t + 1; d2, d3 row g + 8.
+    a_regs [32, 4], b_regs [32, 2] uint32 words -> d [32, 4] int64."""
+    def nibbles(word):  # 8 signed nibbles of a 32-bit word, low first
+        v = [(int(word) >> (4 * i)) & 0xF for i in range(8)]
+        return [x - 16 if x >= 8 else x for x in v]
+
+    a = torch.zeros(16, 64, dtype=torch.int64)
+    b = torch.zeros(64, 8, dtype=torch.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for reg, (row, k0) in enumerate([(g, 8 * t), (g + 8, 8 * t), (g, 32 + 8 * t), (g + 8, 32 + 8 * t)]):
+            a[row, k0:k0 + 8] = torch.tensor(nibbles(a_regs[lane][reg]))
+        for reg, k0 in enumerate([8 * t, 32 + 8 * t]):
+            b[k0:k0 + 8, g] = torch.tensor(nibbles(b_regs[lane][reg]))
+    d = a @ b
+    return [[d[lane // 4, 2 * (lane % 4)], d[lane // 4, 2 * (lane % 4) + 1], d[lane // 4 + 8, 2 * (lane % 4)],
+             d[lane // 4 + 8, 2 * (lane % 4) + 1]] for lane in range(32)]
+
+
+def test_int4_gemm_fragment_order_gives_every_exact_group_dot():
+    """kernels/svdq/gemm_int4.cu's indexing replayed on the CPU for one 64 x 128 tile and one 64-group of a
+    [128, 128] weight (group 1, so the k-tile offset counts): the activation's e4m3 codes turned into the
+    shared nibble tile as the block does, each warp's A fragments read from it, B fragments read straight
+    from the packed qweight (uint4 per lane of each 16-column block), the PTX MMA above, and the results
+    placed where the kernel accumulates them (acc[(2 p + h) * 4 + r] at row 16 w + g + 8 (r / 2), column
+    16 p + 8 h + 2 t + r % 2), with the wscales it reads there. Equals q_x @ q_w^T exactly, and the scales
+    are the columns'."""
+    m, n, k, gi = 64, 128, 128, 1
+    q_x, q_w = _q(m, k, seed=1), _q(n, k, seed=2)
+    codes = q_x[:, 64 * gi:64 * gi + 64].to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+    words = sq.pack_qweight(q_w).contiguous().view(torch.int32).flatten().to(torch.int64) & 0xFFFFFFFF
+    # logical [N, K/64] scales numbered g * N + column (exact in bf16: at most 255)
+    wsc = sq.pack_wscales(torch.arange(k // 64 * n, dtype=torch.float32).reshape(k // 64, n).t().to(BF16))
+    wsc = wsc.flatten().float()
+    int4_of_code = {int(c): int(v) for v, c in zip(range(-8, 8), torch.arange(-8, 8).to(torch.float8_e4m3fn)
+                                                   .view(torch.uint8))}
+    nib = torch.zeros(m, 32, dtype=torch.int64)  # bytes: k 2 c (low nibble), 2 c + 1
+    for row in range(m):
+        for c in range(32):
+            lo, hi = int4_of_code[int(codes[row, 2 * c])], int4_of_code[int(codes[row, 2 * c + 1])]
+            nib[row, c] = (lo & 0xF) | ((hi & 0xF) << 4)
+
+    def u32(row, byte):  # little-endian word of nib
+        return sum(int(nib[row, byte + i]) << (8 * i) for i in range(4))
+
+    groups, out = k // 64, torch.zeros(m, n, dtype=torch.int64)
+    for w in range(4):
+        a_regs = [[u32(16 * w + l // 4, 4 * (l % 4)), u32(16 * w + l // 4 + 8, 4 * (l % 4)),
+                   u32(16 * w + l // 4, 16 + 4 * (l % 4)), u32(16 * w + l // 4 + 8, 16 + 4 * (l % 4))]
+                  for l in range(32)]
+        for p in range(8):
+            quad = [[int(words[(((0 * groups + gi) * 8 + p) * 32 + l) * 4 + j]) for j in range(4)] for l in range(32)]
+            for h in range(2):
+                d = _mma_m16n8k64_s4(a_regs, [[q[2 * h], q[2 * h + 1]] for q in quad])
+                for l in range(32):
+                    g, t = l // 4, l % 4
+                    ws_base = ((0 * groups + gi) * 32 + p * 4 + t) * 4
+                    for r in range(4):
+                        row, col = 16 * w + g + 8 * (r // 2), 16 * p + 8 * h + 2 * t + r % 2
+                        out[row, col] = d[l][r]
+                        assert wsc[ws_base + h * 2 + r % 2] == gi * n + col  # the wscale the kernel reads
+    want = q_x[:, 64 * gi:64 * gi + 64].to(torch.int64) @ q_w[:, 64 * gi:64 * gi + 64].to(torch.int64).t()
+    assert torch.equal(out, want)
+
+
 def test_shape_rules_are_enforced_with_the_value_named():
     with pytest.raises(ValueError, match="K=96"):
         sq.pack_qweight(_q(128, 96))
