@@ -208,6 +208,21 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Te
     return q.to(torch.int8).reshape(m, k), scale_f32.to(dtype)
 
 
+def quantized_act_outputs(x: torch.Tensor, smooth: torch.Tensor | None,
+                          pad_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantizer's act and ascales in the kernels' layouts (kernels/svdq/svdq.h): act [M_pad, K]
+    float8_e4m3fn codes of q (every INT4 value is an exact e4m3 number), ascales [K/64, M_pad] model dtype;
+    rows past M are q 0, scale 0. smooth: logical [K] (unpacked), or None."""
+    m, k = x.shape
+    m_pad = (m + pad_size - 1) // pad_size * pad_size
+    q, scales = quantize_act(x, smooth)
+    act = torch.zeros(m_pad, k, dtype=torch.float8_e4m3fn)
+    act[:m] = q.to(torch.float8_e4m3fn)
+    ascales = torch.zeros(k // GROUP, m_pad, dtype=x.dtype)
+    ascales[:, :m] = scales.t()
+    return act, ascales
+
+
 # ---- the linear ----------------------------------------------------------------------------------------------
 
 def lora_scale_vector(rank: int, lora_scales=None) -> torch.Tensor:
@@ -245,6 +260,22 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return r
 
 
+def group_sum_faithful(q_x: torch.Tensor, ascales: torch.Tensor, q_w: torch.Tensor,
+                       wscales: torch.Tensor) -> torch.Tensor:
+    """The GEMM's main part as the kernels compute it: q_x [M, K] and q_w [N, K] INT4 values, ascales
+    [M, K/64] and wscales [N, K/64] as stored -> [M, N] float32. Exact integer dot per 64-group; per group in
+    order acc = fma(dot * as, ws, acc), where dot * as is exact in fp32."""
+    m, k = q_x.shape
+    n = q_w.shape[0]
+    gx = q_x.to(torch.int64).reshape(m, k // GROUP, GROUP)
+    gw = q_w.to(torch.int64).reshape(n, k // GROUP, GROUP)
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for g in range(k // GROUP):
+        dot = (gx[:, g, :] @ gw[:, g, :].t()).to(torch.float32)
+        acc = fma_f32(dot * ascales[:, g].float().unsqueeze(1), wscales[:, g].float().unsqueeze(0), acc)
+    return acc
+
+
 def linear_faithful(x, q_w, wscales, smooth=None, down=None, up=None, bias=None, lora_scales=None,
                     out_dtype=None) -> torch.Tensor:
     """What the kernels compute, from logical (unpacked) tensors: x [M, K] model dtype, q_w [N, K], wscales
@@ -252,14 +283,7 @@ def linear_faithful(x, q_w, wscales, smooth=None, down=None, up=None, bias=None,
     dtype = x.dtype
     out_dtype = out_dtype or dtype
     q_x, ascales = quantize_act(x, smooth)
-    m, k = q_x.shape
-    n = q_w.shape[0]
-    gx = q_x.to(torch.int32).reshape(m, k // GROUP, GROUP)
-    gw = q_w.to(torch.int32).reshape(n, k // GROUP, GROUP)
-    acc = torch.zeros(m, n, dtype=torch.float32)
-    for g in range(k // GROUP):  # per group, in order: acc = fma(dot * as, ws, acc); dot * as is exact in fp32
-        dot = (gx[:, g, :].to(torch.int64) @ gw[:, g, :].to(torch.int64).t()).to(torch.float32)
-        acc = fma_f32(dot * ascales[:, g].float().unsqueeze(1), wscales[:, g].float().unsqueeze(0), acc)
+    acc = group_sum_faithful(q_x, ascales, q_w, wscales)
     if bias is not None:
         acc = acc + bias.float()
     if up is not None:

@@ -51,7 +51,7 @@ __device__ __forceinline__ uint32_t nibbles_of_codes(uint32_t codes) {
 
 template <typename T, typename Out>
 __global__ void __launch_bounds__(kThreads)
-    gemm_kernel(const uint8_t* __restrict__ act, const uint4* __restrict__ wgt, const T* __restrict__ ascales,
+    gemm_kernel(const uint8_t* __restrict__ act, const int32_t* __restrict__ wgt, const T* __restrict__ ascales,
                 const T* __restrict__ wscales, const float* __restrict__ lora_act, const T* __restrict__ up,
                 const T* __restrict__ bias, Out* __restrict__ out, int m_pad, int n_cols, int k_dim, int rank) {
 #ifdef CACHE_DIT_SVDQ_INT4_BODY
@@ -86,14 +86,16 @@ __global__ void __launch_bounds__(kThreads)
     // Rows past M_pad (the last tile) read scale 0: their codes were 0 too.
     const float as0 = m0 + r0 < m_pad ? cuda::to_float(ascales[int64_t{gi} * m_pad + m0 + r0]) : 0.f;
     const float as1 = m0 + r0 + 8 < m_pad ? cuda::to_float(ascales[int64_t{gi} * m_pad + m0 + r0 + 8]) : 0.f;
-    // 16-column block p of the packed qweight: lane's 16 bytes are words (n_half, k_half).
-    const uint4* wp = wgt + ((int64_t{blockIdx.x} * groups + gi) * 8) * 32 + lane;
+    // 16-column block p of the tile: the lane's 16 bytes of qweight, words (n_half, k_half), start at the
+    // word of column 16 p + g, k 8 t; its wscales, columns 16 p + {2 t, 2 t + 1, 2 t + 8, 2 t + 9}, are 4
+    // consecutive entries from column 16 p + 2 t's. A block further is 128 words (qweight_word's n_pack)
+    // and 16 entries (scale_pos's j) on.
+    const int32_t* wq = wgt + qweight_word(n0 + g, int64_t{gi} * 64 + 8 * t, groups);
+    const T* wsc = wscales + scale_pos(n0 + 2 * t, gi, groups);
 #pragma unroll
     for (int p = 0; p < 8; ++p) {
-      const uint4 b = wp[p * 32];
-      // wscales, packed: columns 16 p + {2 t, 2 t + 1, 2 t + 8, 2 t + 9} at 4 consecutive entries
-      const uint2 raw = *reinterpret_cast<const uint2*>(wscales + (((int64_t{blockIdx.x} * groups + gi) * 32) +
-                                                                   p * 4 + t) * 4);
+      const uint4 b = *reinterpret_cast<const uint4*>(wq + p * 128);
+      const uint2 raw = *reinterpret_cast<const uint2*>(wsc + p * 16);
       const T* ws = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -134,7 +136,7 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   const dim3 grid(static_cast<unsigned>(n / kBN), static_cast<unsigned>(cuda::ceil_div(m_pad, kBM)));
   gemm_kernel<T, Out><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const uint8_t*>(act.data_ptr()), static_cast<const uint4*>(wgt.data_ptr()),
+      static_cast<const uint8_t*>(act.data_ptr()), static_cast<const int32_t*>(wgt.data_ptr()),
       reinterpret_cast<const T*>(ascales.data_ptr()), reinterpret_cast<const T*>(wscales.data_ptr()),
       lora_act ? static_cast<const float*>(lora_act->data_ptr()) : nullptr,
       lora_up ? reinterpret_cast<const T*>(lora_up->data_ptr()) : nullptr,

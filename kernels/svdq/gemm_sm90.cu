@@ -14,7 +14,6 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
-#include <type_traits>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/svdq/epilogue.cuh"

@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <string>
 
 #include "kernels/common/checks.h"
@@ -20,10 +21,18 @@ constexpr const char* kActQuant = "svdq_quantize_w4a4_act_fuse_lora";
 constexpr const char* kGemm = "svdq_gemm_w4a4";
 constexpr const char* kWgtQuant = "svdq_quantize_w4a4_wgt";
 
-// Every tensor of the family, inputs and outputs: the kernels read and write
-// in 16-byte vectors and TMA boxes.
-void check_aligned(const char* op, const char* name, const at::Tensor& t) {
+// Every tensor of the family is contiguous and 16-byte aligned: the kernels
+// read and write in 16-byte vectors and TMA boxes.
+void check_dense(const char* op, const char* name, const at::Tensor& t) {
+  checks::check_contiguous(op, name, t);
   checks::check_aligned(op, name, t, kTensorAlign);
+}
+
+// An output (checks::check_output), 16-byte aligned as well.
+void check_out(const char* op, const char* name, const at::Tensor& out, c10::SymIntArrayRef sizes,
+               at::ScalarType dtype, const at::Tensor& device_ref, std::initializer_list<const at::Tensor*> inputs) {
+  checks::check_output(op, name, out, sizes, dtype, device_ref, inputs);
+  checks::check_aligned(op, name, out, kTensorAlign);
 }
 
 void check_int4_only(const char* op, bool fp4, const char* flag, bool value) {
@@ -44,8 +53,7 @@ void check_vector(const char* op, const char* name, const at::Tensor& v, const c
   TORCH_CHECK_VALUE(v.sym_size(0) == n, op, ": ", name, " must have ", n, " entries, got shape ",
                     shape_str(v.sym_sizes()));
   checks::check_dtype(op, name, v, dtype);
-  checks::check_contiguous(op, name, v);
-  check_aligned(op, name, v);
+  check_dense(op, name, v);
   checks::check_same_device(op, ref, ref_name, {{name, &v}});
 }
 
@@ -58,8 +66,7 @@ void check_lowrank(const char* op, const char* name, const char* layout, const c
                     ", got shape ", shape_str(t.sym_sizes()));
   check_multiple(op, (std::string("R (") + name + ".shape[1])").c_str(), t.sym_size(1), kRankAlign, t);
   checks::check_dtype(op, name, t, dtype);
-  checks::check_contiguous(op, name, t);
-  check_aligned(op, name, t);
+  check_dense(op, name, t);
 }
 
 }  // namespace
@@ -96,8 +103,7 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
   checks::check_device(op, "input", input);
   checks::check_dims(op, "input", input, 2, "[M, K]");
   checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
-  checks::check_contiguous(op, "input", input);
-  check_aligned(op, "input", input);
+  check_dense(op, "input", input);
   check_multiple(op, "K (input.shape[1])", input.sym_size(1), kKAlign, input);
   TORCH_CHECK_VALUE(pad_size >= 1, op, ": pad_size must be >= 1, got ", pad_size);
   const at::ScalarType dtype = input.scalar_type();
@@ -111,13 +117,10 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
     const ActQuantShapes shapes = act_quant_shapes(input, lora_down, pad_size);
     const at::Tensor* d = lora_down ? &*lora_down : &input;
     const at::Tensor* s = smooth ? &*smooth : &input;
-    checks::check_output(op, "output", *outs->output, shapes.output, kActDtype, input, {&input, d, s});
-    checks::check_output(op, "oscales", *outs->oscales, shapes.oscales, dtype, input, {&input, d, s, outs->output});
-    checks::check_output(op, "lora_act_out", *outs->lora_act_out, shapes.lora_act_out, at::kFloat, input,
-                         {&input, d, s, outs->output, outs->oscales});
-    check_aligned(op, "output", *outs->output);
-    check_aligned(op, "oscales", *outs->oscales);
-    check_aligned(op, "lora_act_out", *outs->lora_act_out);
+    check_out(op, "output", *outs->output, shapes.output, kActDtype, input, {&input, d, s});
+    check_out(op, "oscales", *outs->oscales, shapes.oscales, dtype, input, {&input, d, s, outs->output});
+    check_out(op, "lora_act_out", *outs->lora_act_out, shapes.lora_act_out, at::kFloat, input,
+              {&input, d, s, outs->output, outs->oscales});
   }
 }
 
@@ -134,12 +137,10 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
   checks::check_device(op, "act", act);
   checks::check_dims(op, "act", act, 2, "[M_pad, K] (from svdq_quantize_w4a4_act_fuse_lora)");
   checks::check_dtype(op, "act", act, kActDtype);
-  checks::check_contiguous(op, "act", act);
-  check_aligned(op, "act", act);
+  check_dense(op, "act", act);
   checks::check_dims(op, "wgt", wgt, 2, "[N, K/2] (packed qweight)");
   checks::check_dtype(op, "wgt", wgt, at::kChar);
-  checks::check_contiguous(op, "wgt", wgt);
-  check_aligned(op, "wgt", wgt);
+  check_dense(op, "wgt", wgt);
   const c10::SymInt m_pad = act.sym_size(0);
   const c10::SymInt k = act.sym_size(1);
   const c10::SymInt n = wgt.sym_size(0);
@@ -153,14 +154,12 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
   const at::ScalarType dtype = wscales.scalar_type();
   TORCH_CHECK_VALUE(wscales.sym_size(0) == k / kGroup && wscales.sym_size(1) == n, op, ": wscales must be [",
                     k / kGroup, ", ", n, "], got shape ", shape_str(wscales.sym_sizes()));
-  checks::check_contiguous(op, "wscales", wscales);
-  check_aligned(op, "wscales", wscales);
+  check_dense(op, "wscales", wscales);
   checks::check_dims(op, "ascales", ascales, 2, "[K/64, M_pad]");
   checks::check_dtype(op, "ascales", ascales, dtype);
   TORCH_CHECK_VALUE(ascales.sym_size(0) == k / kGroup && ascales.sym_size(1) == m_pad, op, ": ascales must be [",
                     k / kGroup, ", ", m_pad, "], got shape ", shape_str(ascales.sym_sizes()));
-  checks::check_contiguous(op, "ascales", ascales);
-  check_aligned(op, "ascales", ascales);
+  check_dense(op, "ascales", ascales);
   checks::check_same_device(op, act, "act", {{"wgt", &wgt}, {"ascales", &ascales}, {"wscales", &wscales}});
   TORCH_CHECK_VALUE(lora_act_in.has_value() == lora_up.has_value(), op,
                     ": lora_act_in and lora_up come together (both or neither), got ",
@@ -174,16 +173,14 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
                       ": lora_act_in must be [", m_pad, ", ", up.sym_size(1), "], got shape ",
                       shape_str(la.sym_sizes()));
     checks::check_dtype(op, "lora_act_in", la, at::kFloat);
-    checks::check_contiguous(op, "lora_act_in", la);
-    check_aligned(op, "lora_act_in", la);
+    check_dense(op, "lora_act_in", la);
     checks::check_same_device(op, act, "act", {{"lora_up", &up}, {"lora_act_in", &la}});
   }
   if (bias) check_vector(op, "bias", *bias, n, dtype, act, "act");
   if (out) {
-    checks::check_output(op, "out", *out, gemm_out_shape(act, wgt), out_dtype, act,
-                         {&act, &wgt, &ascales, &wscales, lora_up ? &*lora_up : &act,
-                          lora_act_in ? &*lora_act_in : &act, bias ? &*bias : &act});
-    check_aligned(op, "out", *out);
+    check_out(op, "out", *out, gemm_out_shape(act, wgt), out_dtype, act,
+              {&act, &wgt, &ascales, &wscales, lora_up ? &*lora_up : &act, lora_act_in ? &*lora_act_in : &act,
+               bias ? &*bias : &act});
   }
 }
 
@@ -192,16 +189,13 @@ void check_quantize_wgt(const at::Tensor& input, const at::Tensor* output, const
   checks::check_device(op, "input", input);
   checks::check_dims(op, "input", input, 2, "[N, K]");
   checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
-  checks::check_contiguous(op, "input", input);
-  check_aligned(op, "input", input);
+  check_dense(op, "input", input);
   check_multiple(op, "N (input.shape[0])", input.sym_size(0), kBlockN, input);
   check_multiple(op, "K (input.shape[1])", input.sym_size(1), kKAlign, input);
   if (output) {
     const WgtQuantShapes shapes = wgt_quant_shapes(input);
-    checks::check_output(op, "output", *output, shapes.output, at::kChar, input, {&input});
-    checks::check_output(op, "oscales", *oscales, shapes.oscales, input.scalar_type(), input, {&input, output});
-    check_aligned(op, "output", *output);
-    check_aligned(op, "oscales", *oscales);
+    check_out(op, "output", *output, shapes.output, at::kChar, input, {&input});
+    check_out(op, "oscales", *oscales, shapes.oscales, input.scalar_type(), input, {&input, output});
   }
 }
 

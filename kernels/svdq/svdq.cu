@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(32 * kQuantWarps, 2)
   float acc[kTiles > 0 ? kTiles : 1][8] = {};
 
   // Up to 2 rank tiles' fragments are loaded ahead; more would not fit the registers.
-  constexpr int kPrefetch = kTiles <= 2 ? kTiles : 0;
+  constexpr bool kPrefetch = kTiles <= 2;
   uint32_t next[4][4];  // step s: (row g, 2 t), (row g + 8, 2 t), (row g, 2 t + 8), (row g + 8, 2 t + 8)
   if (g_begin < g_end) load_a<T>(next, rows, g_begin, t);
   for (int64_t gi = g_begin; gi < g_end; ++gi) {
@@ -115,11 +115,11 @@ __global__ void __launch_bounds__(32 * kQuantWarps, 2)
     if (gi + 1 < g_end) load_a<T>(next, rows, gi + 1, t);
     // This group's proj_down fragments now, used after the quantizer's
     // arithmetic has covered their latency.
-    uint4 b[4][kPrefetch > 0 ? kPrefetch : 1];
+    uint4 b[4][kPrefetch && kTiles > 0 ? kTiles : 1];
 #pragma unroll
     for (int st = 0; st < 4; ++st) {
 #pragma unroll
-      for (int rt = 0; rt < kPrefetch; ++rt) {
+      for (int rt = 0; rt < (kPrefetch ? kTiles : 0); ++rt) {
         b[st][rt] = *reinterpret_cast<const uint4*>(down + ((gi * 4 + st) * rank_tiles + tile0 + rt) * 256 + lane * 8);
       }
     }
@@ -180,8 +180,12 @@ __global__ void __launch_bounds__(32 * kQuantWarps, 2)
         const T* frag = down + ((gi * 4 + st) * rank_tiles + tile0) * 256 + lane * 8;
 #pragma unroll
         for (int rt = 0; rt < kTiles; ++rt) {
-          const uint4 bb = rt < kPrefetch ? b[st][rt < kPrefetch ? rt : 0]
-                                          : *reinterpret_cast<const uint4*>(frag + rt * 256);
+          uint4 bb;
+          if constexpr (kPrefetch) {
+            bb = b[st][rt];
+          } else {
+            bb = *reinterpret_cast<const uint4*>(frag + rt * 256);
+          }
           mma_16816<T>(acc[rt][0], acc[rt][1], acc[rt][2], acc[rt][3], a[st], bb.x, bb.y);
           mma_16816<T>(acc[rt][4], acc[rt][5], acc[rt][6], acc[rt][7], a[st], bb.z, bb.w);
         }

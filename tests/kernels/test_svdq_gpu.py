@@ -68,15 +68,11 @@ def test_activation_quantizer_is_bit_exact_and_lora_down_close(ops, dtype, m, k,
     down = rand(r, k, dtype=dtype, scale=0.1, seed=k) if r else None
     packed_s = sq.pack_channel_vector(s.cpu()).to(DEV) if smooth else None
     packed_down = sq.pack_lowrank(down.cpu(), down=True).to(DEV) if r else None
-    m_pad = (m + pad - 1) // pad * pad
+    want_q, want_s = sq.quantized_act_outputs(x.cpu(), None if s is None else s.cpu(), pad)
+    m_pad = want_q.shape[0]
     outs = {"output": poisoned((m_pad, k), FP8), "oscales": poisoned((k // 64, m_pad), dtype),
             "lora_act_out": poisoned((m_pad, r), F32)}
     ops.svdq_quantize_w4a4_act_fuse_lora.out(x, packed_down, packed_s, False, False, pad, **outs)
-    q, scales = sq.quantize_act(x.cpu(), None if s is None else s.cpu())
-    want_q = torch.zeros(m_pad, k, dtype=FP8)
-    want_q[:m] = q.to(FP8)  # every INT4 value is an exact e4m3 number
-    want_s = torch.zeros(k // 64, m_pad, dtype=dtype)
-    want_s[:, :m] = scales.t()
     assert_bitwise(outs["output"], want_q.to(DEV))
     assert_bitwise(outs["oscales"], want_s.to(DEV))
     if r:

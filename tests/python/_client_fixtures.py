@@ -225,18 +225,15 @@ def svdq_layer(g, dtype, m: int, k: int, n: int, rank: int) -> dict:
 def svdq_act_outputs(x, smooth, proj_down, pad_size: int):
     """What ``svdq_quantize_w4a4_act_fuse_lora(x, proj_down, smooth, False, False, pad_size)`` returns
     (kernels/svdq/svdq.h layouts), from the references, on the CPU: act [M_pad, K] e4m3 codes and ascales
-    [K/64, M_pad] as the kernel writes them (``sq.quantize_act``, which it equals bit for bit; pad rows q 0,
-    scale 0); lora_act [M_pad, R] float32: x @ proj_down in float64 rounded once (the kernel's fp32 sum is
+    [K/64, M_pad] as the kernel writes them (``sq.quantized_act_outputs``, which it equals bit for bit; pad
+    rows q 0, scale 0); lora_act [M_pad, R] float32: x @ proj_down in float64 rounded once (the kernel's fp32 sum is
     within K roundings of it; pad rows 0)."""
     import torch
 
-    m, k = x.shape
-    m_pad = (m + pad_size - 1) // pad_size * pad_size
-    q, scales = sq.quantize_act(x, None if smooth is None else sq.unpack_channel_vector(smooth))
-    act = torch.zeros(m_pad, k, dtype=torch.float8_e4m3fn)
-    act[:m] = q.to(torch.float8_e4m3fn)  # every INT4 value is an exact e4m3 number
-    ascales = torch.zeros(k // sq.GROUP, m_pad, dtype=x.dtype)
-    ascales[:, :m] = scales.t()
+    m = x.shape[0]
+    act, ascales = sq.quantized_act_outputs(x, None if smooth is None else sq.unpack_channel_vector(smooth),
+                                            pad_size)
+    m_pad = act.shape[0]
     rank = 0 if proj_down is None else proj_down.shape[1]
     lora_act = torch.zeros(m_pad, rank, dtype=torch.float32)
     if rank:
@@ -248,23 +245,17 @@ def svdq_act_outputs(x, smooth, proj_down, pad_size: int):
 def svdq_gemm_reference(act, wgt, ascales, wscales, lora_act_in=None, lora_up=None, bias=None):
     """``svdq_gemm_w4a4``'s sum from its own operands, on the CPU: ``(acc, lora, lora_abs)``.
 
-    ``acc`` [M_pad, N] float32 is the main part and the bias exactly as the kernels compute it (the loop of
-    ``sq.linear_faithful``: exact integer group dots; per group in order acc = fma(dot * ascale, wscale, acc)
-    in fp32, dot * ascale exact; then + bias). ``lora`` [M_pad, N] float64 is LoRA-up on lora_act rounded to
-    the model dtype (as both kernel paths round it) and ``lora_abs`` the sum of its terms' magnitudes (to
-    bound the kernels' fp32 sums, whose order is each path's own); both None without LoRA.
+    ``acc`` [M_pad, N] float32 is the main part and the bias exactly as the kernels compute it
+    (``sq.group_sum_faithful``, as in ``sq.linear_faithful``; then + bias). ``lora`` [M_pad, N] float64 is
+    LoRA-up on lora_act rounded to the model dtype (as both kernel paths round it) and ``lora_abs`` the sum
+    of its terms' magnitudes (to bound the kernels' fp32 sums, whose order is each path's own); both None
+    without LoRA.
     """
     import torch
 
     q_x = act.cpu().float().to(torch.int64)  # [M_pad, K] INT4 values
-    q_w = sq.unpack_qweight(wgt.cpu()).to(torch.int64)  # [N, K]
-    ws = sq.unpack_wscales(wscales.cpu()).float()  # [N, K/64]
-    a_s = ascales.cpu().float()  # [K/64, M_pad]
-    acc = torch.zeros(q_x.shape[0], q_w.shape[0], dtype=torch.float32)
-    for gi in range(q_x.shape[1] // sq.GROUP):
-        cols = slice(gi * sq.GROUP, (gi + 1) * sq.GROUP)
-        dot = (q_x[:, cols] @ q_w[:, cols].t()).to(torch.float32)
-        acc = sq.fma_f32(dot * a_s[gi].unsqueeze(1), ws[:, gi].unsqueeze(0), acc)
+    q_w, ws = sq.unpack_qweight(wgt.cpu()), sq.unpack_wscales(wscales.cpu())  # [N, K], [N, K/64]
+    acc = sq.group_sum_faithful(q_x, ascales.cpu().t(), q_w, ws)
     if bias is not None:
         acc = acc + sq.unpack_channel_vector(bias.cpu()).float()
     if lora_up is None:
