@@ -129,11 +129,16 @@ void CallToProto(const CallRequest& in, v1::CallRequest* out) {
     } else if (const auto* b = std::get_if<bool>(&arg)) {
       a->set_bool_value(*b);
     } else if (const auto* il = std::get_if<std::vector<int64_t>>(&arg)) {
-      for (int64_t x : *il) a->mutable_int_list()->add_values(x);
+      // mutable_*_list() sets the oneof even for an empty list, which must
+      // travel as a list: an argument with no value is refused on decoding.
+      v1::IntList* w = a->mutable_int_list();
+      for (int64_t x : *il) w->add_values(x);
     } else if (const auto* fl = std::get_if<std::vector<double>>(&arg)) {
-      for (double x : *fl) a->mutable_float_list()->add_values(x);
+      v1::FloatList* w = a->mutable_float_list();
+      for (double x : *fl) w->add_values(x);
     } else if (const auto* bl = std::get_if<std::vector<bool>>(&arg)) {
-      for (bool x : *bl) a->mutable_bool_list()->add_values(x);
+      v1::BoolList* w = a->mutable_bool_list();
+      for (bool x : *bl) w->add_values(x);
     }
   }
 }

@@ -5,7 +5,10 @@
 #   deploy/install.sh [--no-apt] [--no-python]
 #
 #   apt     build tools, gRPC C++ + protoc plugin, protobuf, spdlog, fmt,
-#           GoogleTest/GoogleMock, python3-venv. `apt-get update` and
+#           GoogleTest/GoogleMock, python3-venv, clang with its sanitizer and
+#           libFuzzer runtimes (tests/fuzz/; the distribution's default clang
+#           and its libclang-rt, on Debian 12 clang-14 and
+#           libclang-rt-14-dev, which holds libclang_rt.fuzzer). `apt-get update` and
 #           `apt-get install` run only when dpkg-query reports a package
 #           missing. Needs root (or sudo).
 #   python  a virtual environment at ${CACHE_DIT_VENV:-<repo>/.venv}, made
@@ -31,7 +34,7 @@ for arg in "$@"; do
   case "$arg" in
     --no-apt) DO_APT=0 ;;
     --no-python) DO_PY=0 ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown argument '$arg' (use --no-apt, --no-python)" >&2; exit 2 ;;
   esac
 done
@@ -41,6 +44,7 @@ APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   python3-venv
+  clang libclang-rt-dev
 )
 PY_REQUIREMENTS=(
   "${CACHE_DIT_TORCH_SPEC:-torch==2.11.*}"

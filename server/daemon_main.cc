@@ -18,6 +18,7 @@
 #include "server/grpc/grpc_server.h"
 #include "server/grpc/grpc_service.h"
 #include "server/logging.h"
+#include "server/memory_trim.h"
 #include "server/options.h"
 #include "server/runtime_dir.h"
 #include "server/signals.h"
@@ -150,6 +151,10 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
                daemon.serving() ? "SERVING" : "NOT_SERVING",
                daemon.serving() ? "" : " (" + daemon.not_serving_reason() + ")");
 
+  // Freed memory back to the kernel after bursts (server/memory_trim.h).
+  MemoryTrimmer trimmer{std::chrono::milliseconds(opts.memory_trim_ms)};
+  if (opts.memory_trim_ms > 0) trimmer.Start();
+
   SignalWaiter signals;
   signals.Start([&daemon](int sig) {
     daemon.RequestShutdown(0, sig == SIGINT ? "SIGINT" : sig == SIGHUP ? "SIGHUP" : "SIGTERM");
@@ -163,6 +168,7 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
   daemon.SetHealthListener(nullptr);
   daemon.Stop();
   signals.Stop();
+  trimmer.Stop();
   spdlog::info("cache-dit-opd exiting with status {}", exit_code);
   spdlog::shutdown();
   if (exit_code != 0) {

@@ -177,6 +177,9 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     } else if (flag == "--park-deadline-ms") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 3600000, &opts->park_deadline_ms));
+    } else if (flag == "--memory-trim-ms") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 3600000, &opts->memory_trim_ms));
     } else if (flag == "--load-library") {
       OPD_RETURN_IF_ERROR(next());
       if (value.empty()) return Status::InvalidArgument("--load-library: empty path");
@@ -194,7 +197,8 @@ std::string OptionsUsage() {
          "                     [--max-mapped-bytes SIZE] [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
-         "                     [--spin-us US] [--parking-slots N] [--park-deadline-ms MS] ; see --help\n";
+         "                     [--spin-us US] [--parking-slots N] [--park-deadline-ms MS]\n"
+         "                     [--memory-trim-ms MS] ; see --help\n";
 }
 
 std::string OptionsHelp() {
@@ -219,7 +223,10 @@ std::string OptionsHelp() {
          "  --max-regions N          Mapped regions per session (default 4096); idle regions are\n"
          "                           evicted least recently used first.\n"
          "  --max-mapped-bytes SIZE  Bytes mapped per session (default 1T).\n"
-         "  --max-message-bytes SIZE gRPC message size limit, both directions (default 4M).\n"
+         "  --max-message-bytes SIZE Largest gRPC request a client may send (default 64K; the\n"
+         "                           largest request of the protocol is ~21K: no tensor travels by\n"
+         "                           value). Replies may be up to max(SIZE, 4M). gRPC buffers at most\n"
+         "                           max(64M, 16 x SIZE) for all clients together.\n"
          "  --drain-deadline-ms MS   On SIGTERM/SIGINT, time given to in-flight calls before the\n"
          "                           remaining ones are dropped and sessions are ended (default 5000).\n"
          "  --bind-timeout-ms MS     A session not bound on the session channel within this time is\n"
@@ -248,6 +255,9 @@ std::string OptionsHelp() {
          "  --park-deadline-ms MS    A parked lane whose inputs have not moved for MS gives up its\n"
          "                           slot when another lane needs one; its session ends with\n"
          "                           INPUTS_STALLED (default 2000).\n"
+         "  --memory-trim-ms MS      Every MS, give memory freed since (more than 16M of it, e.g.\n"
+         "                           after a burst of oversized requests) back to the kernel with\n"
+         "                           malloc_trim (default 10000; 0: never).\n"
          "  -h, --help               Print this help and exit.\n"
          "\n"
          "Sockets are created mode 0660. A stale socket (nobody accepts on it) is replaced; a live\n"

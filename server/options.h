@@ -31,7 +31,14 @@ struct Options {
   uint32_t max_lanes = 16;               // --max-lanes: lanes per session
   uint64_t max_regions = 4096;           // --max-regions: mapped regions per session
   uint64_t max_mapped_bytes = 1ull << 40;  // --max-mapped-bytes: bytes mapped per session (1 TiB)
-  uint64_t max_message_bytes = 4ull << 20;  // --max-message-bytes: gRPC message size limit, both ways
+  // --max-message-bytes: the largest gRPC request a client may send. No
+  // tensor travels by value: the largest request protocol 2 allows (a Call
+  // of wire.h's kMaxArgs arguments, each a kMaxListLength list of 10-byte
+  // varints) is about 21 KiB (tests/cpp/server/proto_test.cc). Every byte
+  // of headroom is memory a hostile request makes the daemon take: a
+  // request of empty Arguments parses to ~28x its size (measured at 4 MiB:
+  // +116 MiB of peak RSS). Replies: server/grpc/grpc_server.h.
+  uint64_t max_message_bytes = 64ull << 10;
   uint32_t drain_deadline_ms = 5000;     // --drain-deadline-ms: SIGTERM drain budget
   uint32_t bind_timeout_ms = 5000;       // --bind-timeout-ms: time to bind a session on the channel
   std::optional<gid_t> allowed_gid;      // --allowed-gid: a group admitted besides the daemon's uid
@@ -41,6 +48,7 @@ struct Options {
   uint32_t spin_us = 200;                // --spin-us: busy-poll window after the last call (the executor)
   uint32_t parking_slots = 8;            // --parking-slots: lanes with a GPU wait parked at once (0: host checks)
   uint32_t park_deadline_ms = 2000;      // --park-deadline-ms: a parked lane this still loses its slot
+  uint32_t memory_trim_ms = 10000;       // --memory-trim-ms: freed memory back to the kernel (0: never)
 };
 
 // ParseOptions

@@ -8,7 +8,11 @@
 #                                 default 90a, to keep CI short; -Werror
 # 3. ctest -LE gpu                GoogleTest suites that need no device
 # 4. pytest tests/kernels, tests/python, tests/bench -m "not gpu" (one process each)
-# 5. the C++ suites again under ASan+UBSan (CACHE_DIT_SANITIZERS=none skips it)
+# 5. the C++ suites again under ASan+UBSan, and the Python suite against an
+#    ASan+UBSan daemon binary
+# 6. the concurrency suites under TSan (CACHE_DIT_SANITIZERS, default
+#    "asan,tsan", names the steps 5 and 6 that run; "none": neither)
+# 7. every fuzzer for 20 s (CACHE_DIT_FUZZ=none skips it)
 # ctest and pytest both run whatever the other did; the script exits non-zero
 # when any step failed, when ctest found no test, or when pytest collected none
 # (its exit code 5). JUnit files and the build folder: ${CACHE_DIT_BUILD_DIR:-build}.
@@ -92,7 +96,8 @@ done
 # pytest (an instrumented library cannot be loaded into an uninstrumented
 # Python). CACHE_DIT_SANITIZERS=none skips the step.
 SAN_RC=0
-if [ "${CACHE_DIT_SANITIZERS:-asan}" != "none" ] && [ "$BUILD_RC" -eq 0 ]; then
+SANITIZERS="${CACHE_DIT_SANITIZERS:-asan,tsan}"
+if [[ ",$SANITIZERS," == *,asan,* ]] && [ "$BUILD_RC" -eq 0 ]; then
   ASAN_DIR="$BUILD_DIR-asan"
   t0=$SECONDS
   say "== sanitizers: ASan+UBSan build into $ASAN_DIR"
@@ -112,15 +117,48 @@ if [ "${CACHE_DIT_SANITIZERS:-asan}" != "none" ] && [ "$BUILD_RC" -eq 0 ]; then
   say "sanitizers $(status_of "$SAN_RC") in $((SECONDS - t0)) s"
 fi
 
+# ---- 6. ThreadSanitizer -------------------------------------------------------
+# The executor, ring, session, lanes and client suites built with
+# -fsanitize=thread into $BUILD_DIR-tsan (tests/sanitizers/tsan.sh says which
+# and why; tests/sanitizers/tsan.supp names the frames that are not ours).
+TSAN_RC=0
+if [[ ",$SANITIZERS," == *,tsan,* ]] && [ "$BUILD_RC" -eq 0 ]; then
+  t0=$SECONDS
+  say "== sanitizers: ThreadSanitizer suites (tests/sanitizers/tsan.sh)"
+  CACHE_DIT_PYTHON="${CACHE_DIT_PYTHON:-$PY}" ./tests/sanitizers/tsan.sh --build-dir "$BUILD_DIR-tsan" \
+    --junit "$RESULTS/ctest-tsan.xml"
+  TSAN_RC=$?
+  JUNIT+=("$RESULTS/ctest-tsan.xml" "$TSAN_RC")
+  say "ThreadSanitizer $(status_of "$TSAN_RC") in $((SECONDS - t0)) s"
+fi
+
+# ---- 7. fuzzers ---------------------------------------------------------------
+# Every libFuzzer target (tests/fuzz/README.md) for a short run over a copy of
+# its committed corpus; a finding fails the step and keeps its input under
+# $BUILD_DIR-fuzz/fuzz-artifacts. CACHE_DIT_FUZZ=none skips it;
+# CACHE_DIT_FUZZ_SECONDS sets the time per target (default 20).
+FUZZ_RC=0
+if [ "${CACHE_DIT_FUZZ:-short}" != "none" ] && [ "$BUILD_RC" -eq 0 ]; then
+  t0=$SECONDS
+  say "== fuzzers: tests/fuzz/run.sh, ${CACHE_DIT_FUZZ_SECONDS:-20} s each"
+  CACHE_DIT_PYTHON="${CACHE_DIT_PYTHON:-$PY}" ./tests/fuzz/run.sh --build-dir "$BUILD_DIR-fuzz" \
+    --seconds "${CACHE_DIT_FUZZ_SECONDS:-20}"
+  FUZZ_RC=$?
+  say "fuzzers $(status_of "$FUZZ_RC") in $((SECONDS - t0)) s"
+fi
+
 # ---- summary ------------------------------------------------------------------
 # Count testcases in both JUnit files; a step that failed without a failing
 # testcase (build error, no tests, crash) counts as one failure.
 COUNTS="$("$PY" tests/junit_summary.py "${JUNIT[@]}")" || COUNTS="0 1 0"
 read -r N_PASS N_FAIL N_SKIP <<< "$COUNTS"
 
-say "install $(status_of "$INSTALL_RC"), build $(status_of "$BUILD_RC"), ctest $(status_of "$CTEST_RC"), pytest $(status_of "$PYTEST_RC"), sanitizers $(status_of "$SAN_RC"); $((SECONDS - START)) s"
+say "install $(status_of "$INSTALL_RC"), build $(status_of "$BUILD_RC"), ctest $(status_of "$CTEST_RC"), pytest $(status_of "$PYTEST_RC"), ASan+UBSan $(status_of "$SAN_RC"), TSan $(status_of "$TSAN_RC"), fuzzers $(status_of "$FUZZ_RC"); $((SECONDS - START)) s"
+# The fuzzers write no JUnit file: a finding counts as one failure.
+[ "$FUZZ_RC" -ne 0 ] && N_FAIL=$((N_FAIL + 1))
 echo "$N_PASS passed, $N_FAIL failed, $N_SKIP skipped"
-if [ "$BUILD_RC" -ne 0 ] || [ "$CTEST_RC" -ne 0 ] || [ "$PYTEST_RC" -ne 0 ] || [ "$SAN_RC" -ne 0 ] || [ "$N_FAIL" -ne 0 ]; then
+if [ "$BUILD_RC" -ne 0 ] || [ "$CTEST_RC" -ne 0 ] || [ "$PYTEST_RC" -ne 0 ] || [ "$SAN_RC" -ne 0 ] ||
+  [ "$TSAN_RC" -ne 0 ] || [ "$FUZZ_RC" -ne 0 ] || [ "$N_FAIL" -ne 0 ]; then
   exit 1
 fi
 exit 0

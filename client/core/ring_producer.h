@@ -11,11 +11,12 @@
 //   - back-pressure: record t is written only after completion t - capacity
 //     was consumed, which implies the daemon copied record t - capacity out
 //     of its slot. Publish waits; it never drops a record;
-//   - publish: plain stores of the record, then store-release sq_tail = t + 1;
-//     a full fence, then load the doorbell; if the daemon sleeps, store
-//     kDoorbellAwake and FUTEX_WAKE the (shared) word. The fence orders the
-//     tail store before the doorbell load against the daemon's "store
-//     sleeping, re-check the tail";
+//   - publish: plain stores of the record, then store sq_tail = t + 1
+//     (seq_cst, which releases the record), then load the doorbell (seq_cst);
+//     if the daemon sleeps, store kDoorbellAwake and FUTEX_WAKE the (shared)
+//     word. The two seq_cst operations order the tail store before the
+//     doorbell load against the daemon's "store sleeping, re-check the tail"
+//     (seq_cst too);
 //   - completion: load-acquire done_ticket == t + 1, then the fields. A
 //     completion that echoes another ticket (or, when accepted, another lane
 //     or seq) is answered INTERNAL for that call.

@@ -55,7 +55,10 @@ Status BindSession(int fd, uint64_t session_id, std::string_view token, int time
   do {
     n = ::send(fd, &req, sizeof(req), MSG_NOSIGNAL);
   } while (n < 0 && errno == EINTR);
-  if (n != static_cast<ssize_t>(sizeof(req))) {
+  // EPIPE / ECONNRESET: the daemon has already answered and closed (a
+  // refusal at accept); its reply is still queued here, so read it.
+  const bool peer_closed = n < 0 && (errno == EPIPE || errno == ECONNRESET);
+  if (n != static_cast<ssize_t>(sizeof(req)) && !peer_closed) {
     return Status::Unavailable("send BindRequest on the session channel: ",
                                n < 0 ? std::strerror(errno) : "short write");
   }

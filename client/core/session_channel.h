@@ -59,7 +59,10 @@ Status ConnectSessionChannel(const std::string& path, UniqueFd* out);
 // foreign uid), DEADLINE_EXCEEDED on timeout, UNAVAILABLE when the daemon
 // closed the channel, INTERNAL for a malformed reply (wrong size, no or
 // extra file descriptors, layout version mismatch). Any descriptor received
-// with a malformed reply is closed.
+// with a malformed reply is closed. A daemon that refuses the connection at
+// accept (RESOURCE_EXHAUSTED: too many connections awaiting their bind
+// request) replies and closes before the request is read: its refusal is
+// returned even when sending the request failed for that (EPIPE).
 Status BindSession(int fd, uint64_t session_id, std::string_view token, int timeout_ms,
                    uint64_t expected_bytes, UniqueFd* memfd, uint64_t* shm_bytes);
 

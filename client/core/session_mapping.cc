@@ -71,6 +71,14 @@ Status ValidateSessionMemoryHeader(const v1::SessionMemoryHeader& h, uint64_t ma
                             h.ring_bytes, " disagree about whether a ring exists");
   }
   if (h.ring_offset != 0) {
+    // The ring's control words are 8-byte atomics in 64-byte-aligned
+    // lines (ring.h): the ring producer's atomic_ref on a misaligned one is
+    // undefined (and, off an 8-byte boundary, a split lock on x86 rather
+    // than an atomic access). The daemon puts the ring on the first page
+    // after the lanes.
+    if (h.ring_offset % kPage != 0) {
+      return Status::Internal("session memory ring_offset ", h.ring_offset, " is not a page multiple");
+    }
     uint64_t ring_end = 0;
     if (h.ring_offset < lanes_end || AddOverflows(h.ring_offset, h.ring_bytes, &ring_end) ||
         ring_end > mapped_bytes) {

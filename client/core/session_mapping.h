@@ -9,7 +9,8 @@
 // The header is checked before anything in the mapping is trusted: magic,
 // layout version, total size equal to the memfd's size, session id, lane
 // count and stride equal to what OpenSession granted, and every region
-// (lanes, ring) inside the mapping with overflow-checked arithmetic.
+// (lanes, ring) page-aligned and inside the mapping with overflow-checked
+// arithmetic.
 #pragma once
 
 #include <cstddef>

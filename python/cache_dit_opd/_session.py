@@ -278,8 +278,11 @@ class Session:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
-            sock.sendall(_layout.BIND_REQUEST.pack(_wire.BIND_REQUEST_MAGIC, _wire.PROTOCOL_VERSION, r.session_id,
-                                                   bytes(r.token)))
+            try:
+                sock.sendall(_layout.BIND_REQUEST.pack(_wire.BIND_REQUEST_MAGIC, _wire.PROTOCOL_VERSION,
+                                                       r.session_id, bytes(r.token)))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon refused the connection at accept and closed it: its reply is queued
             msg, fds, flags, _ = socket.recv_fds(sock, _wire.BIND_REPLY_SIZE, 4)
         except OSError as e:
             raise SessionFailedError(f"binding session {r.session_id} on {path} failed: {e}") from None

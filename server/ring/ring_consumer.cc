@@ -10,6 +10,7 @@
 #include "cache_dit_opd/v1/ring.h"
 #include "common/cpu_relax.h"
 #include "common/futex.h"
+#include "common/log_throttle.h"
 #include "common/ring_decode.h"
 
 
@@ -158,7 +159,13 @@ size_t RingConsumer::Poll() {
                                : Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again,
                                                   " is ", again - head_, " records ahead of the daemon's head ",
                                                   head_, ", more than the capacity ", capacity);
-    spdlog::error("session {}: {}; ending the session", session_->id(), why.message());
+    // A client can cause this at will (once per session it opens): a bounded
+    // number of lines per interval.
+    static LogThrottle violations(10, std::chrono::seconds(10));
+    if (const auto v = violations.Next(); v.log) {
+      spdlog::error("session {}: {}; ending the session{}", session_->id(), why.message(),
+                    SuppressedNote(v.suppressed));
+    }
     violated_.store(true, std::memory_order_release);
     if (sink_.on_violation) sink_.on_violation(why);
     return 0;
@@ -196,7 +203,16 @@ void RingConsumer::Process(uint64_t ticket, const uint8_t* copy) {
     return;
   }
   malformed_.fetch_add(1, std::memory_order_relaxed);
-  spdlog::debug("session {}: ring record {} rejected: {}", session_->id(), ticket, s.message());
+  // A client can write a malformed record into every slot as fast as the
+  // daemon reads them: a bounded number of lines per interval, whatever the
+  // log level.
+  static LogThrottle rejected(10, std::chrono::seconds(10));
+  if (spdlog::should_log(spdlog::level::debug)) {
+    if (const auto v = rejected.Next(); v.log) {
+      spdlog::debug("session {}: ring record {} rejected: {}{}", session_->id(), ticket, s.message(),
+                    SuppressedNote(v.suppressed));
+    }
+  }
   if (usable) {
     sink_.submit_rejected(lane, seq, std::move(s), std::move(done));
   } else {

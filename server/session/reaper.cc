@@ -4,6 +4,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/log_throttle.h"
+
 namespace cache_dit_opd {
 
 Reaper::Reaper(std::chrono::milliseconds poll) : poll_(poll) {}
@@ -101,9 +103,13 @@ void Reaper::Sweep() {
     Session& s = *r.session;
     RegionCounts before = s.regions().counts();
     s.ReleaseDeviceResources();
-    spdlog::info("session {}: closed (pid {}, uid {}); unmapped {} region(s), {} bytes", s.id(),
-                 s.peer().pid ? s.peer().pid : s.client_pid(), s.peer().uid,
-                 before.regions + before.pending_unmaps, before.mapped_bytes);
+    // A client can open and close sessions in a loop: bounded lines per interval.
+    static LogThrottle closed(50, std::chrono::seconds(10));
+    if (const auto v = closed.Next(); v.log) {
+      spdlog::info("session {}: closed (pid {}, uid {}); unmapped {} region(s), {} bytes{}", s.id(),
+                   s.peer().pid ? s.peer().pid : s.client_pid(), s.peer().uid,
+                   before.regions + before.pending_unmaps, before.mapped_bytes, SuppressedNote(v.suppressed));
+    }
     if (r.on_done) r.on_done();
   }
   // Sessions whose deferred releases all completed (or that ended) stop

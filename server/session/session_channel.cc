@@ -19,10 +19,12 @@
 namespace cache_dit_opd {
 namespace {
 
-// Cap on connections that have not bound yet: a local process that opens
-// connections and sends nothing must not exhaust the daemon's descriptors.
-constexpr size_t kMaxUnbound = 256;
 constexpr int kListenBacklog = 64;
+
+// accept4 errors that say the process (or system) is out of descriptors or
+// memory: the pending connection stays queued and the listening socket
+// stays readable, so polling it again at once would spin.
+bool OutOfResources(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
 
 }  // namespace
 
@@ -56,8 +58,11 @@ Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_byte
   return Status::Ok();
 }
 
-SessionChannel::SessionChannel(std::string path, SessionManager* manager, std::chrono::milliseconds tick)
-    : path_(std::move(path)), manager_(manager), tick_(tick) {}
+SessionChannel::SessionChannel(std::string path, SessionManager* manager, std::chrono::milliseconds tick,
+                               SessionChannelLimits limits)
+    : path_(std::move(path)), manager_(manager), tick_(tick), limits_(std::move(limits)) {
+  if (!limits_.read_peer) limits_.read_peer = ReadPeerCred;
+}
 
 SessionChannel::~SessionChannel() { Stop(); }
 
@@ -137,34 +142,94 @@ void SessionChannel::Stop() {
   wake_fd_ = epoll_fd_ = -1;
 }
 
+void SessionChannel::ForgetUnbound(const Conn& conn) {
+  if (conn.session_id != 0) return;
+  --unbound_;
+  auto it = unbound_by_uid_.find(conn.peer.uid);
+  if (it != unbound_by_uid_.end() && --it->second == 0) unbound_by_uid_.erase(it);
+}
+
 void SessionChannel::CloseConn(int fd) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
   close(fd);
-  conns_.erase(std::remove_if(conns_.begin(), conns_.end(), [fd](const Conn& c) { return c.fd == fd; }),
-               conns_.end());
+  auto it = std::find_if(conns_.begin(), conns_.end(), [fd](const Conn& c) { return c.fd == fd; });
+  if (it == conns_.end()) return;
+  ForgetUnbound(*it);
+  conns_.erase(it);
+}
+
+Status SessionChannel::AdmitUnbound(const PeerCred& peer) const {
+  // The uid's own cap first: it is what the peer can do something about.
+  auto it = unbound_by_uid_.find(peer.uid);
+  const size_t of_uid = it == unbound_by_uid_.end() ? 0 : it->second;
+  if (of_uid >= limits_.max_unbound_per_uid) {
+    return Status::Rejected(Reason::kResourceExhausted, "uid ", peer.uid, " holds ", of_uid,
+                            " session-channel connections that have not sent their bind request, at most ",
+                            limits_.max_unbound_per_uid, " per uid");
+  }
+  if (unbound_ >= limits_.max_unbound) {
+    return Status::Rejected(Reason::kResourceExhausted, unbound_,
+                            " session-channel connections have not sent their bind request, at most ",
+                            limits_.max_unbound);
+  }
+  return Status::Ok();
+}
+
+void SessionChannel::PauseAccepting() {
+  if (accept_paused_ || listen_fd_ < 0) return;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+  accept_paused_ = true;
+}
+
+void SessionChannel::ResumeAccepting() {
+  if (!accept_paused_) return;
+  accept_paused_ = false;
+  if (listen_fd_ < 0) return;
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = listen_fd_;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
 }
 
 void SessionChannel::Accept() {
+  // A peer can cause each of these at will: a bounded number of lines per interval.
+  static LogThrottle accept_failed(10, std::chrono::seconds(10));
+  static LogThrottle refused(10, std::chrono::seconds(10));
   while (true) {
     int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EINTR) spdlog::warn("session channel: accept: {}", std::strerror(errno));
+      const int err = errno;
+      if (err == EAGAIN || err == EINTR) return;
+      if (OutOfResources(err)) PauseAccepting();  // retried at the next tick
+      if (const auto v = accept_failed.Next(); v.log) {
+        spdlog::warn("session channel: accept: {}{}{}", std::strerror(err),
+                     OutOfResources(err) ? "; not accepting until the next tick" : "", SuppressedNote(v.suppressed));
+      }
       return;
-    }
-    size_t unbound = std::count_if(conns_.begin(), conns_.end(), [](const Conn& c) { return c.session_id == 0; });
-    if (unbound >= kMaxUnbound) {
-      (void)SendBindReply(fd, Status::Rejected(Reason::kResourceExhausted, unbound, " session-channel connections await binding"), 0, -1);
-      close(fd);
-      continue;
     }
     Conn c;
     c.fd = fd;
-    c.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(manager_->bind_timeout_ms());
+    Status s = limits_.read_peer(fd, &c.peer);
+    if (s.ok()) s = AdmitUnbound(c.peer);
+    if (!s.ok()) {
+      if (const auto v = refused.Next(); v.log) {
+        spdlog::warn("session channel: connection from pid {} uid {} refused: {}{}", c.peer.pid, c.peer.uid,
+                     s.ToString(), SuppressedNote(v.suppressed));
+      }
+      (void)SendBindReply(fd, s, 0, -1);  // best effort: the peer may be gone
+      close(fd);
+      continue;
+    }
+    const auto first_message = std::min<std::chrono::milliseconds>(
+        limits_.first_message_timeout, std::chrono::milliseconds(manager_->bind_timeout_ms()));
+    c.deadline = std::chrono::steady_clock::now() + first_message;
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.fd = fd;
     epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
     conns_.push_back(c);
+    ++unbound_;
+    ++unbound_by_uid_[c.peer.uid];
   }
 }
 
@@ -178,15 +243,13 @@ void SessionChannel::HandleBind(Conn& conn) {
     CloseConn(fd);  // closed before binding
     return;
   }
-  PeerCred peer;
-  Status s = ReadPeerCred(fd, &peer);
+  const PeerCred peer = conn.peer;  // SO_PEERCRED is fixed at connect; read at accept
   std::shared_ptr<Session> session;
-  if (s.ok()) {
-    size_t len = std::min<size_t>(static_cast<size_t>(n), sizeof(buf));
-    s = static_cast<size_t>(n) > sizeof(v1::BindRequest)
-            ? Status::Rejected(Reason::kMalformed, "bind request is ", n, " bytes, expected ", sizeof(v1::BindRequest))
-            : manager_->Bind(std::string_view(buf, len), peer, &session);
-  }
+  const size_t len = std::min<size_t>(static_cast<size_t>(n), sizeof(buf));
+  Status s = static_cast<size_t>(n) > sizeof(v1::BindRequest)
+                 ? Status::Rejected(Reason::kMalformed, "bind request is ", n, " bytes, expected ",
+                                    sizeof(v1::BindRequest))
+                 : manager_->Bind(std::string_view(buf, len), peer, &session);
   if (!s.ok()) {
     // A peer can cause this at will: a bounded number of lines per interval.
     static LogThrottle refused(10, std::chrono::seconds(10));
@@ -204,6 +267,7 @@ void SessionChannel::HandleBind(Conn& conn) {
     manager_->End(session->id(), Status::Rejected(Reason::kClosed, "session ", session->id(), ": ", sent.message()));
     return;
   }
+  ForgetUnbound(conn);
   conn.session_id = session->id();
 }
 
@@ -260,7 +324,7 @@ void SessionChannel::Loop() {
       if (it != conns_.end()) CloseConn(it->fd);
     }
     if (stop_accepting_.load() && listen_fd_ >= 0) {
-      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+      if (!accept_paused_) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
       close(listen_fd_);
       listen_fd_ = -1;
     }
@@ -268,14 +332,21 @@ void SessionChannel::Loop() {
     now = std::chrono::steady_clock::now();
     if (now >= next_tick) {
       next_tick = now + tick_;
+      const auto first_message = std::min<std::chrono::milliseconds>(
+          limits_.first_message_timeout, std::chrono::milliseconds(manager_->bind_timeout_ms()));
       for (size_t i = 0; i < conns_.size();) {
         if (conns_[i].session_id == 0 && now >= conns_[i].deadline) {
-          (void)SendBindReply(conns_[i].fd, Status::Rejected(Reason::kBindTimeout, "no bind request within ", manager_->bind_timeout_ms(), " ms"), 0, -1);
+          (void)SendBindReply(conns_[i].fd,
+                              Status::Rejected(Reason::kBindTimeout, "no bind request within ",
+                                               first_message.count(), " ms of connecting"),
+                              0, -1);
           CloseConn(conns_[i].fd);
         } else {
           ++i;
         }
       }
+      // Descriptors may have been freed since accept failed for want of them.
+      ResumeAccepting();
       manager_->Tick(now);
     }
   }

@@ -13,9 +13,24 @@
 // When a bound connection closes (the client exited or crashed, or closed it
 // deliberately) the session ends at once. When the session ends for another
 // reason (CloseSession, bind timeout, shutdown) CloseSession(id) closes the
-// connection so the client notices. A connection that sends nothing is
-// closed after the bind timeout. The thread also calls SessionManager::Tick
-// about every 100 ms (bind deadlines, heartbeats).
+// connection so the client notices. The thread also calls
+// SessionManager::Tick about every 100 ms (bind deadlines, heartbeats).
+//
+// Hostile peers (SessionChannelLimits): a connection is "unbound" from
+// accept until its first message, which is handled at once (bound, or
+// refused and closed). The peer's SO_PEERCRED is read at accept; a
+// connection that would make its uid hold more than max_unbound_per_uid
+// unbound connections, or all peers more than max_unbound, is answered
+// BindReply{RESOURCE_EXHAUSTED, naming the count and the limit} and closed,
+// so one uid cannot hold every slot and lock other uids out of binding. An
+// unbound connection that sends nothing within first_message_timeout (at
+// most the bind timeout) is answered BIND_TIMEOUT and closed. Without
+// --allowed-gid every admitted client has the daemon's uid: the cap then
+// cannot tell a uid's processes apart, and the deadline is what bounds how
+// long one of them can keep the others from binding. When accept
+// fails for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM)
+// the channel stops polling the listening socket until the next tick
+// instead of spinning on it. Every refusal is logged through a LogThrottle.
 //
 // Only the channel thread closes connection descriptors, so a descriptor
 // number is never reused under a request that still names it.
@@ -24,9 +39,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "common/status.h"
@@ -34,10 +51,27 @@
 
 namespace cache_dit_opd {
 
+struct SessionChannelLimits {
+  // Unbound connections (accepted, no message yet), all peers together.
+  size_t max_unbound = 256;
+  // Unbound connections of one uid (SO_PEERCRED at accept).
+  size_t max_unbound_per_uid = 16;
+  // Time an accepted connection has to send its bind request; the smaller
+  // of this and SessionManager::bind_timeout_ms() applies. A client sends
+  // its request right after connecting, so this need not cover the
+  // session's bind timeout (which runs from OpenSession and is enforced by
+  // SessionManager::Tick either way).
+  std::chrono::milliseconds first_message_timeout{1000};
+  // Reads the credentials of an accepted connection; empty: ReadPeerCred.
+  // Tests inject peers of other uids here.
+  std::function<Status(int fd, PeerCred* out)> read_peer;
+};
+
 class SessionChannel {
  public:
   SessionChannel(std::string path, SessionManager* manager,
-                 std::chrono::milliseconds tick = std::chrono::milliseconds(100));
+                 std::chrono::milliseconds tick = std::chrono::milliseconds(100),
+                 SessionChannelLimits limits = {});
   ~SessionChannel();
   SessionChannel(const SessionChannel&) = delete;
   SessionChannel& operator=(const SessionChannel&) = delete;
@@ -64,11 +98,18 @@ class SessionChannel {
   struct Conn {
     int fd = -1;
     uint64_t session_id = 0;  // 0 until bound
+    PeerCred peer;            // SO_PEERCRED, read at accept
     std::chrono::steady_clock::time_point deadline;  // for unbound connections
   };
 
   void Loop();
   void Accept();
+  // Status::Ok(), or why a new connection of `peer` is refused (the caps).
+  Status AdmitUnbound(const PeerCred& peer) const;
+  // The connection leaves the unbound counts (bound, or closing).
+  void ForgetUnbound(const Conn& conn);
+  void PauseAccepting();
+  void ResumeAccepting();
   void OnReadable(Conn& conn);
   void HandleBind(Conn& conn);
   void CloseConn(int fd);
@@ -77,6 +118,7 @@ class SessionChannel {
   const std::string path_;
   SessionManager* const manager_;
   const std::chrono::milliseconds tick_;
+  SessionChannelLimits limits_;
 
   int listen_fd_ = -1;
   bool created_ = false;  // we bound the socket file, so Stop removes it
@@ -91,6 +133,9 @@ class SessionChannel {
 
   // Channel thread only.
   std::vector<Conn> conns_;  // indexed lookups are by fd; few connections
+  size_t unbound_ = 0;       // conns_ with session_id 0
+  std::unordered_map<uid_t, size_t> unbound_by_uid_;  // the same, per uid (no zero entries)
+  bool accept_paused_ = false;  // the listening socket is out of epoll until the next tick
 };
 
 // Sends `reply` (and `fd` when >= 0, as SCM_RIGHTS) as one SEQPACKET message.

@@ -7,6 +7,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/log_throttle.h"
+
 namespace cache_dit_opd {
 namespace {
 
@@ -101,11 +103,17 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
     }
     sessions_[config.id] = s;
   }
-  spdlog::info("session {}: opened for pid {} ({}), {} lane(s), {} bytes of shared memory{}; bind within {} ms",
-               config.id, config.client_pid, config.client_name.empty() ? "unnamed" : config.client_name,
-               config.lanes, s->memory().bytes(),
-               config.ring_capacity ? fmt::format(", call ring of {} slots", config.ring_capacity) : "",
-               limits_.bind_timeout_ms);
+  // A client can open and close sessions in a loop: each kind of lifecycle
+  // line is logged a bounded number of times per interval (a burst far
+  // above what clients starting up produce).
+  static LogThrottle opened(50, std::chrono::seconds(10));
+  if (const auto v = opened.Next(); v.log) {
+    spdlog::info("session {}: opened for pid {} ({}), {} lane(s), {} bytes of shared memory{}; bind within {} ms{}",
+                 config.id, config.client_pid, config.client_name.empty() ? "unnamed" : config.client_name,
+                 config.lanes, s->memory().bytes(),
+                 config.ring_capacity ? fmt::format(", call ring of {} slots", config.ring_capacity) : "",
+                 limits_.bind_timeout_ms, SuppressedNote(v.suppressed));
+  }
   *out = std::move(s);
   return Status::Ok();
 }
@@ -146,7 +154,11 @@ Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::s
     s->set_peer(peer);
     s->set_state(SessionState::kBound);
   }
-  spdlog::info("session {}: bound to pid {} uid {} gid {}", s->id(), peer.pid, peer.uid, peer.gid);
+  static LogThrottle bound(50, std::chrono::seconds(10));
+  if (const auto v = bound.Next(); v.log) {
+    spdlog::info("session {}: bound to pid {} uid {} gid {}{}", s->id(), peer.pid, peer.uid, peer.gid,
+                 SuppressedNote(v.suppressed));
+  }
   if (on_bound_) on_bound_(s);
   *out = std::move(s);
   return Status::Ok();
@@ -198,8 +210,12 @@ void SessionManager::End(uint64_t session_id, const Status& reason) {
     sessions_.erase(it);
     s->set_state(SessionState::kClosed);
   }
-  spdlog::info("session {}: ending (pid {}, uid {}): {}", s->id(), s->peer().pid ? s->peer().pid : s->client_pid(),
-               s->peer().uid, reason.message());
+  static LogThrottle ending(50, std::chrono::seconds(10));
+  if (const auto v = ending.Next(); v.log) {
+    spdlog::info("session {}: ending (pid {}, uid {}): {}{}", s->id(),
+                 s->peer().pid ? s->peer().pid : s->client_pid(), s->peer().uid, reason.message(),
+                 SuppressedNote(v.suppressed));
+  }
   if (on_end_) on_end_(s, reason);
 }
 
@@ -233,7 +249,11 @@ void SessionManager::Tick(Clock::time_point now) {
   for (auto& s : expired) {
     Status reason = Status::Rejected(Reason::kBindTimeout, "session ", s->id(),
                                      " was not bound on the session channel within ", limits_.bind_timeout_ms, " ms");
-    spdlog::warn("session {}: dropped (pid {}): {}", s->id(), s->client_pid(), reason.message());
+    static LogThrottle dropped(50, std::chrono::seconds(10));
+    if (const auto v = dropped.Next(); v.log) {
+      spdlog::warn("session {}: dropped (pid {}): {}{}", s->id(), s->client_pid(), reason.message(),
+                   SuppressedNote(v.suppressed));
+    }
     if (on_end_) on_end_(s, reason);
   }
 }

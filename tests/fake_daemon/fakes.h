@@ -149,10 +149,12 @@ class FakeDeviceOps : public DeviceOps {
   std::vector<std::pair<void*, uint64_t>> waits;  // every WaitValue64 (stream, value)
   uintptr_t next_stream = 0x1000;
   std::vector<std::pair<void*, uint64_t>> writes;
-  bool hold_writes = false;  // queue writes until FlushHeld (GPU "behind")
-  size_t sticky_after = 0;   // the n-th write (and every later one) fails with a sticky error; 0: never
+  // The knobs below are set by the test's thread while the daemon's threads
+  // (executor, gRPC handlers) read them: atomics, not fields under `mu`.
+  std::atomic<bool> hold_writes{false};  // queue writes until FlushHeld (GPU "behind")
+  std::atomic<size_t> sticky_after{0};   // the n-th write (and every later one) fails with a sticky error; 0: never
   std::vector<std::pair<std::vector<uint64_t>, uint64_t>> held;
-  bool fail_register = false;
+  std::atomic<bool> fail_register{false};
 
  private:
   struct Op {

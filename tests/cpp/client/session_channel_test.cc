@@ -172,6 +172,26 @@ TEST(SessionChannel, RejectsMalformedReplies) {
   ::close(memfd);
 }
 
+TEST(SessionChannel, ARefusalSentBeforeTheRequestIsReturnedThoughTheSendFails) {
+  // The daemon refuses at accept (too many unbound connections): it replies
+  // and closes before the client sends, so the send fails with EPIPE.
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+  v1::BindReply r{};
+  r.status_code = 8;  // RESOURCE_EXHAUSTED
+  r.reason = 12;      // kResourceExhausted
+  std::snprintf(r.message, sizeof(r.message), "uid 1000 holds 16 session-channel connections, at most 16 per uid");
+  SendReply(sv[1], &r, sizeof(r), {});
+  ::close(sv[1]);
+  UniqueFd got;
+  uint64_t bytes = 0;
+  Status s = BindSession(sv[0], kSession, kToken, 2000, 0, &got, &bytes);
+  ::close(sv[0]);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_EQ(s.reason(), Reason::kResourceExhausted) << s.ToString();
+  EXPECT_NE(s.message().find("at most 16 per uid"), std::string::npos) << s.message();
+}
+
 TEST(SessionChannel, ClosedChannelIsUnavailable) {
   UniqueFd got;
   uint64_t bytes = 0;

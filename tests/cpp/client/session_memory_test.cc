@@ -92,6 +92,20 @@ TEST(SessionMapping, RejectsLanesOrRingOutsideTheMapping) {
   EXPECT_FALSE(MapWith([](auto& h) { h.ring_offset = 4096 + 512; h.ring_bytes = ~uint64_t{0}; }).ok());
 }
 
+// A ring inside the mapping but off a page boundary: the ring producer's
+// atomics on its control words would be misaligned (UBSan in
+// tests/fuzz/session_header_fuzz found the header accepted; its input is in
+// the corpus).
+TEST(SessionMapping, RejectsARingOffAPageBoundary) {
+  const uint64_t total = 4096 * 4;
+  for (uint64_t offset : {8192 + 2, 8192 + 8, 8192 + 64}) {
+    Status s = MapWith([&](auto& h) { h.ring_offset = offset; h.ring_bytes = 4096; }, total, {kSession, kLanes, total});
+    EXPECT_EQ(s.code(), StatusCode::kInternal) << offset << ": " << s.ToString();
+    EXPECT_NE(s.message().find("ring_offset " + std::to_string(offset) + " is not a page multiple"), std::string::npos)
+        << s.message();
+  }
+}
+
 TEST(SessionMapping, AcceptsARingInsideTheMapping) {
   const uint64_t total = 4096 * 4;
   Status s = MapWith([](auto& h) { h.ring_offset = 8192; h.ring_bytes = 8192; }, total, {kSession, kLanes, total});

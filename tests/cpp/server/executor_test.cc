@@ -391,8 +391,9 @@ TEST_F(ExecutorTest, RegionStaysMappedUntilItsCallFinishesOnTheGpu) {
   ASSERT_TRUE(r.Wait(1));
   ASSERT_TRUE(r.Get(1).ok());
   // Wait for the held "done" write itself (it follows the run): flushing
-  // before it is enqueued would leave it held.
-  ASSERT_TRUE(WaitUntil([&] { return device_.held_count() == 1; }));
+  // before it is enqueued would leave it held. The executor records the
+  // lane's enqueued seq after it enqueues the write: wait for that too.
+  ASSERT_TRUE(WaitUntil([&] { return device_.held_count() == 1 && s->lane(0).enqueued.load() == 1; }));
   bool deferred = false;
   ASSERT_TRUE(s->regions().Unregister(reg.region_id, &deferred).ok());
   EXPECT_TRUE(deferred);
@@ -418,7 +419,7 @@ TEST_F(ExecutorTest, FakedSharedDoneDoesNotReleaseRegions) {
   Results r;
   executor_->Submit(s, req, r.Slot(1));
   ASSERT_TRUE(r.Wait(1));
-  ASSERT_TRUE(WaitUntil([&] { return device_.held_count() == 1; }));
+  ASSERT_TRUE(WaitUntil([&] { return device_.held_count() == 1 && s->lane(0).enqueued.load() == 1; }));
   // A hostile client writes "done" in the shared memory itself.
   std::atomic_ref<uint64_t>(s->memory().lane(0)->done).store(1000);
   bool deferred = false;

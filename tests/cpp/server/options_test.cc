@@ -28,6 +28,9 @@ TEST(OptionsTest, Defaults) {
   EXPECT_TRUE(o.ring);
   EXPECT_EQ(o.ring_capacity, 64u);
   EXPECT_EQ(o.spin_us, 200u);
+  // What a client may send: proto_test.cc shows the largest request fits.
+  EXPECT_EQ(o.max_message_bytes, 64ull << 10);
+  EXPECT_EQ(o.memory_trim_ms, 10000u);
 }
 
 TEST(OptionsTest, RingFlags) {
@@ -67,7 +70,8 @@ TEST(OptionsTest, EveryFlagInBothSpellings) {
   ASSERT_TRUE(Parse({"--device", "3", "--socket=/tmp/x.sock", "--runtime-dir", "/tmp/rd", "--log-level=debug",
                      "--max-sessions", "8", "--max-lanes=4", "--max-regions", "100", "--max-mapped-bytes", "2G",
                      "--max-message-bytes=16M", "--drain-deadline-ms", "250", "--bind-timeout-ms=900",
-                     "--allowed-gid", "1234", "--load-library", "/a.so", "--load-library=/b.so"},
+                     "--allowed-gid", "1234", "--load-library", "/a.so", "--load-library=/b.so",
+                     "--memory-trim-ms=250"},
                     &o, &help)
                   .ok());
   EXPECT_EQ(o.device, 3);
@@ -84,6 +88,7 @@ TEST(OptionsTest, EveryFlagInBothSpellings) {
   ASSERT_TRUE(o.allowed_gid.has_value());
   EXPECT_EQ(*o.allowed_gid, 1234u);
   EXPECT_EQ(o.load_libraries, (std::vector<std::string>{"/a.so", "/b.so"}));
+  EXPECT_EQ(o.memory_trim_ms, 250u);
 }
 
 TEST(OptionsTest, GroupNameResolves) {
@@ -135,7 +140,7 @@ TEST(OptionsTest, HelpDocumentsEveryFlag) {
   for (const char* flag : {"--device", "--socket", "--runtime-dir", "--log-level", "--max-sessions", "--max-lanes",
                            "--max-regions", "--max-mapped-bytes", "--max-message-bytes", "--drain-deadline-ms",
                            "--bind-timeout-ms", "--allowed-gid", "--load-library", "--ring", "--no-ring",
-                           "--ring-capacity", "--spin-us", "--help"}) {
+                           "--ring-capacity", "--spin-us", "--memory-trim-ms", "--help"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(text.find(".session.sock"), std::string::npos);

@@ -1,7 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
+
 #include "cache_dit_opd/v1/opd.pb.h"
+#include "cache_dit_opd/v1/wire.h"
 #include "common/call_proto.h"
+#include "server/options.h"
 #include "server/grpc/grpc_status.h"
 #include "server/grpc/proto_convert.h"
 
@@ -48,6 +53,30 @@ TEST(ProtoTest, ACallRoundTripsThroughTheClientsEncoder) {
   EXPECT_TRUE(back.host_ordered);
 }
 
+// An empty list is a list on the wire too: CallToProto once left the oneof
+// unset for one (it only touched the list to add a value), so the daemon
+// refused the C++ client's call with "argument i has no value"
+// (tests/fuzz/call_proto_fuzz found it; its input is in the corpus).
+TEST(ProtoTest, EmptyListsTravelAsLists) {
+  CallRequest r;
+  r.op = "op";
+  r.overload = "out";
+  r.args = {std::vector<int64_t>{}, std::vector<double>{}, std::vector<bool>{}};
+  v1::CallRequest m;
+  CallToProto(r, &m);
+  ASSERT_EQ(m.args_size(), 3);
+  EXPECT_EQ(m.args(0).value_case(), v1::Argument::kIntList);
+  EXPECT_EQ(m.args(1).value_case(), v1::Argument::kFloatList);
+  EXPECT_EQ(m.args(2).value_case(), v1::Argument::kBoolList);
+  CallRequest back;
+  Status s = CallFromProto(m, &back);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(back.args.size(), 3u);
+  EXPECT_TRUE(std::get<std::vector<int64_t>>(back.args[0]).empty());
+  EXPECT_TRUE(std::get<std::vector<double>>(back.args[1]).empty());
+  EXPECT_TRUE(std::get<std::vector<bool>>(back.args[2]).empty());
+}
+
 TEST(ProtoTest, CallRequestDecodesToPlainTypes) {
   CallRequest r;
   ASSERT_TRUE(CallFromProto(SampleCall(), &r).ok());
@@ -69,6 +98,43 @@ TEST(ProtoTest, CallRequestDecodesToPlainTypes) {
   EXPECT_EQ(std::get<std::vector<double>>(r.args[5]), (std::vector<double>{1.5}));
   EXPECT_EQ(std::get<std::vector<bool>>(r.args[6]), (std::vector<bool>{false}));
   EXPECT_TRUE(std::holds_alternative<NoneArg>(r.args[7]));
+}
+
+// The largest request protocol 2 lets a client send: every field at its
+// widest encoding, kMaxArgs arguments each the widest argument (a list of
+// kMaxListLength negative int64s, 10 bytes each on the wire; wider than
+// a float list of 8-byte doubles or a tensor of kMaxTensorDims sizes and
+// strides). --max-message-bytes' default must hold it with room to spare:
+// lowering the default below this breaks clients, raising it far above
+// is memory a hostile request makes the daemon take (options.h).
+TEST(ProtoTest, TheLargestRequestFitsTheDefaultMessageLimitTwice) {
+  constexpr int64_t kWidest = std::numeric_limits<int64_t>::min();
+  constexpr uint64_t kWidestU = std::numeric_limits<uint64_t>::max();
+  v1::CallRequest c;
+  c.set_session_id(kWidestU);
+  c.set_token(std::string(32, '\xff'));
+  c.set_op(std::string(128, 'o'));  // op names in the catalog are at most ~40 bytes
+  c.set_overload(std::string(32, 'v'));
+  c.set_lane(std::numeric_limits<uint32_t>::max());
+  c.set_seq(kWidestU);
+  c.set_host_ordered(true);
+  v1::Argument widest_tensor;
+  auto* t = widest_tensor.mutable_tensor();
+  t->set_region_id(kWidestU);
+  t->set_byte_offset(kWidestU);
+  for (int i = 0; i < v1::kMaxTensorDims; ++i) t->add_sizes(kWidest), t->add_strides(kWidest);
+  t->set_dtype(v1::DTYPE_FLOAT8_E5M2);
+  v1::Argument widest_floats;
+  for (int i = 0; i < v1::kMaxListLength; ++i) widest_floats.mutable_float_list()->add_values(1e300);
+  v1::Argument widest;
+  for (int i = 0; i < v1::kMaxListLength; ++i) widest.mutable_int_list()->add_values(kWidest);
+  ASSERT_GE(widest.ByteSizeLong(), widest_tensor.ByteSizeLong());
+  ASSERT_GE(widest.ByteSizeLong(), widest_floats.ByteSizeLong());
+  for (int i = 0; i < v1::kMaxArgs; ++i) *c.add_args() = widest;
+  const size_t bytes = c.ByteSizeLong();
+  EXPECT_GT(bytes, 16u << 10);  // the bound in options.h (~21 KiB) is what it says
+  EXPECT_LT(bytes, 24u << 10);
+  EXPECT_LE(2 * bytes, Options{}.max_message_bytes) << bytes;
 }
 
 TEST(ProtoTest, MalformedCallsAreInvalidArgument) {

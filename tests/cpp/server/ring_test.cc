@@ -723,15 +723,20 @@ TEST_F(RingConsumerTest, ATailSeenMidStoreIsNotAViolation) {
   for (uint64_t seq = 1; seq <= 255; ++seq) client_->Publish(RecordBuilder(0, 0, seq));
   Completion(254);
   // Tail 255 -> 256 stored byte by byte, low byte first: 0xFF, then 0x00
-  // (reads as 0: behind the head), then 0x01 in the second byte.
+  // (reads as 0: behind the head), then 0x01 in the second byte. What the
+  // daemon can see of such a store is the sequence of values the word takes,
+  // so the test stores those values, each as one atomic store (release: the
+  // first publishes the record): 255 -> 0 -> 256. Byte stores racing with the
+  // daemon's 8-byte load would be a data race in this process, where the
+  // "client" is a thread; the consumer cannot tell the two apart.
   std::vector<uint8_t> rec = RecordBuilder(255, 0, 256).Bytes();
   std::memcpy(client_->slot(255), rec.data(), rec.size());
-  auto* tail_bytes = reinterpret_cast<volatile uint8_t*>(&client_->control()->sq_tail);
-  tail_bytes[0] = 0x00;
+  std::atomic_ref<uint64_t> tail(client_->control()->sq_tail);
+  tail.store(0x00, std::memory_order_release);  // the low byte cleared
   const auto until = Clock::now() + 10us;
   while (Clock::now() < until) {
   }
-  tail_bytes[1] = 0x01;
+  tail.store(0x100, std::memory_order_release);  // then 0x01 in the second byte
   v1::CompletionRecord c = Completion(255);
   EXPECT_EQ(c.status_code, 0) << c.message;
   EXPECT_TRUE(violations().empty());
@@ -1001,7 +1006,12 @@ TEST_F(RingProducerTest, ManyThreadsShareOneProducer) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(bad.load(), 0);
   EXPECT_EQ(producer_->published(), uint64_t{kThreads} * kCalls);
-  for (uint32_t l = 0; l < kThreads; ++l) EXPECT_EQ(session_->memory().Done(l), uint64_t{kCalls});
+  // A call is answered when accepted; its "done" follows once the executor
+  // ran it, so the last one's may still be on its way.
+  for (uint32_t l = 0; l < kThreads; ++l) {
+    EXPECT_TRUE(WaitUntil([&] { return session_->memory().Done(l) == uint64_t{kCalls}; }))
+        << "lane " << l << ": done " << session_->memory().Done(l);
+  }
 }
 
 TEST_F(RingProducerTest, AFullRingMakesPublishWaitNeverDrop) {

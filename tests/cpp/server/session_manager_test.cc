@@ -2,13 +2,20 @@
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
+#include <cstdio>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "server/session/session_channel.h"
 #include "test_util.h"
@@ -26,7 +33,8 @@ constexpr char kUuid[] = "GPU-00000000-1111-2222-3333-444444444444";
 
 class SessionManagerTest : public ::testing::Test {
  protected:
-  void Init(PeerPolicy policy, uint32_t bind_timeout_ms = 5000, uint32_t max_sessions = 4) {
+  void Init(PeerPolicy policy, uint32_t bind_timeout_ms = 5000, uint32_t max_sessions = 4,
+            SessionChannelLimits channel_limits = {}) {
     SessionLimits limits;
     limits.max_sessions = max_sessions;
     limits.max_lanes = 4;
@@ -38,7 +46,8 @@ class SessionManagerTest : public ::testing::Test {
           ended_[s->id()] = reason;
           cv_.notify_all();
         });
-    channel_ = std::make_unique<SessionChannel>(dir_.File("gpu.session.sock"), manager_.get(), 20ms);
+    channel_ = std::make_unique<SessionChannel>(dir_.File("gpu.session.sock"), manager_.get(), 20ms,
+                                                std::move(channel_limits));
     ASSERT_TRUE(channel_->Listen().ok());
     ASSERT_TRUE(channel_->Start().ok());
   }
@@ -392,6 +401,203 @@ TEST_F(SessionManagerTest, MalformedBindMessages) {
     close(fd);
   }
   EXPECT_FALSE(s->bound());
+}
+
+// Peers of other uids without being root: a test client binds its socket to
+// the abstract address "\0opd-peer-<uid>-<pid>-<n>" before connecting, and
+// this reader (the channel's injected SO_PEERCRED) takes the uid from the
+// name; any other peer keeps its real credentials.
+Status PeerNamedByItsAddress(int fd, PeerCred* out) {
+  OPD_RETURN_IF_ERROR(ReadPeerCred(fd, out));
+  sockaddr_un addr{};
+  socklen_t len = sizeof(addr);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return Status::Ok();
+  const size_t path_len = len > offsetof(sockaddr_un, sun_path) ? len - offsetof(sockaddr_un, sun_path) : 0;
+  if (path_len < 2 || addr.sun_path[0] != '\0') return Status::Ok();
+  const std::string name(addr.sun_path + 1, path_len - 1);
+  unsigned uid = 0;
+  if (std::sscanf(name.c_str(), "opd-peer-%u-", &uid) == 1) out->uid = uid;
+  return Status::Ok();
+}
+
+// Connects to `path` as (fake) `uid`; -1 on failure.
+int ConnectAs(const std::string& path, unsigned uid) {
+  static std::atomic<int> n{0};
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un me{};
+  me.sun_family = AF_UNIX;
+  const std::string name = "opd-peer-" + std::to_string(uid) + "-" + std::to_string(getpid()) + "-" +
+                           std::to_string(n.fetch_add(1));
+  std::memcpy(me.sun_path + 1, name.data(), name.size());
+  const socklen_t me_len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  sockaddr_un to{};
+  to.sun_family = AF_UNIX;
+  std::strncpy(to.sun_path, path.c_str(), sizeof(to.sun_path) - 1);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&me), me_len) != 0 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The connection was answered RESOURCE_EXHAUSTED (message returned) and closed.
+std::string ExpectRefusedForCapacity(int fd) {
+  v1::BindReply reply{};
+  int memfd = -1;
+  EXPECT_TRUE(testing::RecvBindReply(fd, &reply, &memfd));
+  EXPECT_EQ(reply.status_code, static_cast<int>(StatusCode::kResourceExhausted)) << reply.message;
+  EXPECT_EQ(reply.reason, static_cast<uint32_t>(Reason::kResourceExhausted));
+  EXPECT_LT(memfd, 0);
+  EXPECT_TRUE(testing::PeerClosed(fd));
+  return std::string(reply.message, strnlen(reply.message, sizeof(reply.message)));
+}
+
+TEST_F(SessionManagerTest, OneUidCannotHoldEveryUnboundSlotAndLockOthersOutOfBinding) {
+  SessionChannelLimits limits;
+  limits.max_unbound = 6;
+  limits.max_unbound_per_uid = 2;
+  limits.first_message_timeout = 30s;  // the held connections stay for the whole test
+  limits.read_peer = PeerNamedByItsAddress;
+  Init(PeerPolicy::ForThisProcess(std::nullopt), /*bind_timeout_ms=*/30000, /*max_sessions=*/4, limits);
+  const std::string& path = channel_->path();
+
+  // uid 1001 opens connections and sends nothing: its third is refused,
+  // naming the uid, its count and the per-uid limit.
+  std::vector<int> held;
+  for (int i = 0; i < 2; ++i) held.push_back(ConnectAs(path, 1001));
+  int third = ConnectAs(path, 1001);
+  ASSERT_GE(third, 0);
+  std::string why = ExpectRefusedForCapacity(third);
+  EXPECT_NE(why.find("uid 1001 holds 2"), std::string::npos) << why;
+  EXPECT_NE(why.find("at most 2 per uid"), std::string::npos) << why;
+  close(third);
+
+  // Another uid still binds meanwhile (the real client: this process's uid).
+  std::shared_ptr<Session> s;
+  ASSERT_TRUE(manager_->Open(Params(), &s).ok());
+  v1::BindReply reply;
+  int memfd = -1;
+  int bound = Bind(s->id(), TokenOf(*s), &reply, &memfd);
+  EXPECT_EQ(reply.status_code, 0) << reply.message;
+  EXPECT_GE(memfd, 0);
+  close(memfd);
+
+  // Filled to the overall cap by three uids, the next connection of any uid
+  // is refused naming the count and the overall limit.
+  for (unsigned uid : {1002u, 1003u}) {
+    for (int i = 0; i < 2; ++i) held.push_back(ConnectAs(path, uid));
+  }
+  int late = testing::ConnectSeqpacket(path);
+  ASSERT_GE(late, 0);
+  why = ExpectRefusedForCapacity(late);
+  EXPECT_NE(why.find("6 session-channel connections have not sent their bind request, at most 6"),
+            std::string::npos)
+      << why;
+  close(late);
+
+  // A held connection that closes frees its slot: a bind goes through again.
+  close(held.back());
+  held.pop_back();
+  std::shared_ptr<Session> s2;
+  ASSERT_TRUE(manager_->Open(Params(), &s2).ok());
+  bool bound2 = false;
+  for (auto until = std::chrono::steady_clock::now() + 3s; !bound2 && std::chrono::steady_clock::now() < until;) {
+    int fd = testing::ConnectSeqpacket(path);
+    v1::BindRequest req = testing::MakeBind(s2->id(), TokenOf(*s2));
+    (void)send(fd, &req, sizeof(req), MSG_NOSIGNAL);
+    v1::BindReply r{};
+    int m = -1;
+    if (testing::RecvBindReply(fd, &r, &m) && r.status_code == 0) {
+      bound2 = true;
+      close(m);
+    } else {
+      std::this_thread::sleep_for(10ms);  // the channel has not seen the close yet
+    }
+    close(fd);
+  }
+  EXPECT_TRUE(bound2);
+
+  // Every held connection is still open: refusals took nothing from them.
+  for (int fd : held) {
+    pollfd p{fd, POLLIN, 0};
+    EXPECT_EQ(poll(&p, 1, 0), 0) << "held connection " << fd << " was answered or closed";
+    close(fd);
+  }
+  close(bound);
+}
+
+TEST_F(SessionManagerTest, AConnectionHasAShortDeadlineForItsFirstMessageApartFromTheBindTimeout) {
+  SessionChannelLimits limits;
+  limits.first_message_timeout = 150ms;
+  Init(PeerPolicy::ForThisProcess(std::nullopt), /*bind_timeout_ms=*/10000, /*max_sessions=*/4, limits);
+  std::shared_ptr<Session> s;
+  ASSERT_TRUE(manager_->Open(Params(), &s).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  int silent = testing::ConnectSeqpacket(channel_->path());
+  v1::BindReply reply{};
+  int memfd = -1;
+  ASSERT_TRUE(testing::RecvBindReply(silent, &reply, &memfd));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(reply.reason, static_cast<uint32_t>(Reason::kBindTimeout)) << reply.message;
+  EXPECT_NE(std::string(reply.message).find("within 150 ms of connecting"), std::string::npos) << reply.message;
+  EXPECT_GE(waited, 140ms);
+  EXPECT_LT(waited, 2s);  // not the 10 s bind timeout
+  EXPECT_TRUE(testing::PeerClosed(silent));
+  close(silent);
+  // The session itself is still within its bind timeout and binds.
+  int fd = Bind(s->id(), TokenOf(*s), &reply, &memfd);
+  EXPECT_EQ(reply.status_code, 0) << reply.message;
+  close(memfd);
+  close(fd);
+}
+
+// CPU time of this process (all threads), in seconds.
+double ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+TEST_F(SessionManagerTest, AcceptOutOfDescriptorsNeitherSpinsNorStopsServing) {
+  Init(PeerPolicy::ForThisProcess(std::nullopt));
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  // Lower the limit to a little above what is open, fill it, free one slot
+  // for the client's socket: the channel's accept4 then fails EMFILE, and
+  // the connection stays queued with the listening socket readable.
+  int top = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(top, 0);
+  close(top);
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(top + 8);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> fillers;
+  for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fillers.push_back(fd);
+  ASSERT_FALSE(fillers.empty());
+  close(fillers.back());
+  fillers.pop_back();
+  int client = testing::ConnectSeqpacket(channel_->path());
+  ASSERT_GE(client, 0);
+
+  const double cpu0 = ProcessCpuSeconds();
+  std::this_thread::sleep_for(500ms);
+  const double cpu = ProcessCpuSeconds() - cpu0;
+  // Spinning on the readable listening socket costs the whole 0.5 s.
+  EXPECT_LT(cpu, 0.15) << "the channel thread spun while accept failed";
+
+  // Descriptors come back: the queued connection is served at the next tick.
+  for (int fd : fillers) close(fd);
+  fillers.clear();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  char junk[10] = {};
+  ASSERT_EQ(send(client, junk, sizeof(junk), 0), 10);
+  v1::BindReply reply{};
+  int memfd = -1;
+  ASSERT_TRUE(testing::RecvBindReply(client, &reply, &memfd));
+  EXPECT_EQ(reply.reason, static_cast<uint32_t>(Reason::kMalformed)) << reply.message;
+  close(client);
 }
 
 TEST_F(SessionManagerTest, ReleasingDeviceResourcesUndoesCreate) {
