@@ -574,15 +574,18 @@ class Soak:
         a = self.a
         events = self.events()
         windows = {"daemon_restart": [], "memory_fill": []}
-        for r in self.restarts:  # from the kill until every worker has called again, plus a second
-            recovered = [e["t"] for e in events if e["kind"] == "recovered" and e["t"] > r["kill"]]
+        # A restart's window: from its kill until every worker has called again (each worker's first
+        # recovery after this kill and before the next one), plus a second.
+        kills = [r["kill"] for r in self.restarts] + [float("inf")]
+        for r, next_kill in zip(self.restarts, kills[1:]):
             per_worker = {}
             for e in events:
-                if e["kind"] == "recovered" and e["t"] > r["kill"]:
+                if e["kind"] == "recovered" and r["kill"] < e["t"] < next_kill:
                     per_worker.setdefault(e["worker"], e["t"])
+            end = max(per_worker.values()) if per_worker else r["kill"] + 60
             r["workers_recovered"] = len(per_worker)
-            r["all_recovered_after_s"] = (max(per_worker.values()) - r["kill"]) if per_worker else None
-            windows["daemon_restart"].append((r["kill"] - 1, (max(recovered) if recovered else r["kill"] + 60) + 1))
+            r["all_recovered_after_s"] = (end - r["kill"]) if per_worker else None
+            windows["daemon_restart"].append((r["kill"] - 1, end + 1))
         for f in self.fills:
             try:
                 f.update(json.loads(Path(f["result"]).read_text()))
