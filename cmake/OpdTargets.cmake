@@ -32,7 +32,8 @@
 #          PRIVATE), so the other side can link it.
 #   LAYER  a target in folder F may include project headers only from the
 #          folders F may stand on: proto/ (the contract) <- common/ <-
-#          kernels/ | server/ | client/; tests/, bench/ and tools/ may include
+#          kernels/ | server/ | client/ <- admin/ (on client/, never on
+#          server/: an operator's tool is a client); tests/, bench/ and tools/ may include
 #          anything. Includes of the contract ("cache_dit_opd/v1/...") are
 #          allowed everywhere. Checked over HDRS and SRCS.
 include_guard(GLOBAL)
@@ -74,11 +75,12 @@ if(CACHE_DIT_SANITIZE)
   message(STATUS "cache-dit-opd: sanitizers ${CACHE_DIT_SANITIZE}")
 endif()
 
-set(_OPD_PROJECT_FOLDERS common kernels server client tests bench tools proto)
+set(_OPD_PROJECT_FOLDERS common kernels server client admin tests bench tools proto)
 set(_OPD_LAYER_common common)
 set(_OPD_LAYER_kernels kernels)
 set(_OPD_LAYER_server common server)
 set(_OPD_LAYER_client common client)
+set(_OPD_LAYER_admin common client admin)
 set(_OPD_LAYER_proto "")
 
 # The project's warning flags for `target`'s C++ sources. CUDA sources keep

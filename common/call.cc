@@ -24,4 +24,8 @@ std::string DTypeName(DType dtype) {
   return "dtype(" + std::to_string(static_cast<int32_t>(dtype)) + ")";
 }
 
+const char* CallTransportName(CallTransport transport) {
+  return transport == CallTransport::kRing ? "ring" : "grpc";
+}
+
 }  // namespace cache_dit_opd

@@ -60,6 +60,13 @@ struct NoneArg {};
 using Arg = std::variant<NoneArg, TensorRef, int64_t, double, bool, std::vector<int64_t>,
                          std::vector<double>, std::vector<bool>>;
 
+// Which entry a call came in through: a label of the daemon's metrics
+// (server/exec/call_metrics.h), never a branch of the call path.
+enum class CallTransport : uint8_t { kGrpc = 0, kRing = 1 };
+inline constexpr size_t kCallTransportCount = 2;
+// "grpc", "ring".
+const char* CallTransportName(CallTransport transport);
+
 struct CallRequest {
   std::string op;        // "fused_merge_attn_states" (namespace implied: cache_dit_cuda_ops)
   std::string overload;  // "out" for what the daemon serves; "" is the default overload
@@ -71,6 +78,7 @@ struct CallRequest {
   // once it has finished on the GPU (opd.proto CallRequest.host_ordered).
   // seq is 0 then.
   bool host_ordered = false;
+  CallTransport transport = CallTransport::kGrpc;  // set by the daemon's transport
 };
 
 // One entry of the op catalog a session is given at open (OpenSessionReply):

@@ -45,10 +45,12 @@ APT_PACKAGES=(
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
   python3-venv
   clang libclang-rt-dev
+  prometheus-cpp-dev
 )
 PY_REQUIREMENTS=(
   "${CACHE_DIT_TORCH_SPEC:-torch==2.11.*}"
   grpcio grpcio-tools protobuf pytest numpy matplotlib psutil
+  prometheus-client kubernetes-validate==1.37.0 pyyaml
 )
 # Installed without their dependencies: cache-dit is a pure-Python wheel whose
 # SVDQuant packer (plain torch) the interoperability tests load by path

@@ -1,5 +1,8 @@
 #include "server/daemon.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -11,13 +14,20 @@ namespace cache_dit_opd {
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+uint64_t MillisSince(Clock::time_point t) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count());
+}
+}  // namespace
+
 Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> catalog,
                std::string not_serving_reason, DaemonDeps deps, std::string session_socket)
     : options_(options),
       info_(std::move(info)),
       catalog_(std::move(catalog)),
       deps_(deps),
-      session_socket_(std::move(session_socket)) {
+      session_socket_(std::move(session_socket)),
+      stats_(catalog_) {
   health_ = not_serving_reason.empty() ? Health::kServing : Health::kNoDevice;
   not_serving_reason_ = std::move(not_serving_reason);
 
@@ -47,6 +57,11 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
       [this](const std::shared_ptr<Session>& s, const Status& reason) { OnSessionEnd(s, reason); },
       [this](const std::shared_ptr<Session>& s) { OnSessionBound(s); });
   channel_ = std::make_unique<SessionChannel>(session_socket_, sessions_.get());
+  channel_->SetAdminHandler([this](v1::AdminCommand, const PeerCred& peer) {
+    OPD_RETURN_IF_ERROR(PeerPolicy::ForThisProcess(options_.allowed_gid).AdmitAdmin(peer));
+    RequestShutdown(0, "drain requested by pid " + std::to_string(peer.pid) + " uid " + std::to_string(peer.uid));
+    return Status::Ok();
+  });
 }
 
 Daemon::~Daemon() { Stop(); }
@@ -68,7 +83,21 @@ VersionInfo Daemon::Version() const {
   v.serving = health_ == Health::kServing;
   v.not_serving_reason = not_serving_reason_;
   v.ring_available = options_.ring;
+  v.daemon_pid = getpid();
+  v.daemon_uid = geteuid();
+  v.metrics_address = metrics_address_;
+  v.health_reason = health_ == Health::kNoDevice   ? Reason::kNotServing
+                    : health_ == Health::kDraining ? Reason::kDraining
+                    : health_ == Health::kDeviceLost ? Reason::kDeviceLost
+                                                     : Reason::kUnspecified;
+  v.uptime_ms = MillisSince(started_);
+  v.session_channel_path = session_socket_;
   return v;
+}
+
+void Daemon::set_metrics_address(std::string address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  metrics_address_ = std::move(address);
 }
 
 bool Daemon::serving() const {
@@ -190,7 +219,7 @@ void Daemon::Call(uint64_t session_id, std::string_view token, CallRequest req, 
     std::unique_lock<std::mutex> lock(mu_);
     if (Status st = NotServingLocked(); !st.ok()) {
       lock.unlock();
-      stats_.errors.fetch_add(1, std::memory_order_relaxed);
+      stats_.Count(stats_.per_op.Row(req.op, req.overload), req.transport, st);
       done(st);
       return;
     }
@@ -198,7 +227,7 @@ void Daemon::Call(uint64_t session_id, std::string_view token, CallRequest req, 
   std::shared_ptr<Session> s;
   Status st = sessions_->Authorize(session_id, token, /*require_bound=*/true, &s);
   if (!st.ok()) {
-    stats_.errors.fetch_add(1, std::memory_order_relaxed);
+    stats_.Count(stats_.per_op.Row(req.op, req.overload), req.transport, st);
     done(st);
     return;
   }
@@ -216,7 +245,7 @@ void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t 
   if (!refused) refused = !sessions_->Authorize(session_id, token, /*require_bound=*/true, &s).ok();
   if (refused) {
     // Nobody takes the seq; the transport's own error is the answer.
-    stats_.errors.fetch_add(1, std::memory_order_relaxed);
+    stats_.Count(stats_.per_op.other_row(), CallTransport::kRing, reason);
     done(reason);
     return;
   }
@@ -224,6 +253,16 @@ void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t 
 }
 
 Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const {
+  return Snapshot(session_id, token, /*latency=*/true, out);
+}
+
+StatsSnapshot Daemon::Gauges() const {
+  StatsSnapshot out;
+  (void)Snapshot(0, "", /*latency=*/false, &out);  // session 0 needs no token: cannot fail
+  return out;
+}
+
+Status Daemon::Snapshot(uint64_t session_id, std::string_view token, bool latency, StatsSnapshot* out) const {
   std::vector<std::shared_ptr<Session>> all = sessions_->Snapshot();
   std::vector<std::shared_ptr<Session>> detail;
   if (session_id != 0) {
@@ -238,10 +277,11 @@ Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapsh
   out->calls = stats_.calls.load();
   out->errors = stats_.errors.load();
   out->sessions_closed = stats_.sessions_closed.load();
-  stats_.call_latency_us.Percentiles(&out->call_p50_us, &out->call_p99_us);
+  if (latency) stats_.call_latency_us.Percentiles(&out->call_p50_us, &out->call_p99_us);
   for (const auto& [name, reservoir] : {std::pair<const char*, const LatencyReservoir*>{"accept", &stats_.accept_us},
                                         {"inputs_wait", &stats_.inputs_wait_us},
                                         {"run", &stats_.run_us}}) {
+    if (!latency) break;
     StatsSnapshot::Stage stage{name};
     stage.count = reservoir->recorded();
     if (stage.count == 0) continue;
@@ -253,15 +293,45 @@ Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapsh
     out->regions += c.regions;
     out->mapped_bytes += c.mapped_bytes;
   }
+  std::map<uint64_t, uint32_t> ring_pending;
+  {
+    std::lock_guard<std::mutex> lock(rings_mu_);
+    for (const auto& [id, ring] : rings_) ring_pending[id] = ring->Occupancy();
+  }
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
   for (const auto& s : detail) {
     SessionStatsEntry e;
     e.session_id = s->id();
-    e.client_pid = s->bound() ? s->peer().pid : 0;
-    e.client_uid = s->bound() ? s->peer().uid : 0;
+    e.bound = s->bound();
+    e.client_pid = e.bound ? s->peer().pid : 0;
+    e.client_uid = e.bound ? s->peer().uid : 0;
     e.calls = s->calls.load();
     e.errors = s->errors.load();
     e.regions = s->regions().counts();
-    out->sessions_detail.push_back(e);
+    e.lanes = s->lane_count();
+    e.client_name = s->client_name();
+    if (e.bound) e.command = s->command();
+    e.ring_slots = s->has_ring() ? s->memory().ring_capacity() : 0;
+    if (auto it = ring_pending.find(e.session_id); it != ring_pending.end()) e.ring_pending = it->second;
+    e.age_ms = MillisSince(s->opened_at());
+    const int64_t last = s->last_call_ns.load(std::memory_order_relaxed);
+    e.idle_ms = last > 0 ? static_cast<uint64_t>(std::max<int64_t>(now_ns - last, 0) / 1000000) : e.age_ms;
+    out->sessions_detail.push_back(std::move(e));
+  }
+  const CallMetrics& m = stats_.per_op;
+  for (size_t row = 0; latency && row < m.rows(); ++row) {
+    for (CallTransport t : {CallTransport::kGrpc, CallTransport::kRing}) {
+      const OpCallCounters& c = m.counters(row, t);
+      OpStatsEntry e{m.op(row).name, m.op(row).overload, t};
+      e.calls = c.calls.load(std::memory_order_relaxed);
+      for (const auto& r : c.rejections) e.rejections += r.load(std::memory_order_relaxed);
+      if (e.calls == 0 && e.rejections == 0) continue;
+      for (size_t st = 0; st < kCallStageCount; ++st) {
+        const LatencyHistogram::Snapshot h = c.stages[st].Read();
+        e.stage_mean_us[st] = h.count ? h.sum_seconds * 1e6 / static_cast<double>(h.count) : 0;
+      }
+      out->ops.push_back(std::move(e));
+    }
   }
   return Status::Ok();
 }

@@ -20,6 +20,8 @@
 //                       -> (transport shutdown) -> Stop
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -65,6 +67,12 @@ struct VersionInfo {
   bool serving = false;
   std::string not_serving_reason;
   bool ring_available = false;
+  int64_t daemon_pid = 0;
+  uint32_t daemon_uid = 0;
+  std::string metrics_address;   // "" when the exposer is off
+  Reason health_reason = Reason::kUnspecified;  // kNotServing, kDraining, kDeviceLost
+  uint64_t uptime_ms = 0;
+  std::string session_channel_path;
 };
 
 // The GPU-facing parts; all null when the daemon has no usable GPU.
@@ -95,6 +103,24 @@ struct SessionStatsEntry {
   uint64_t calls = 0;
   uint64_t errors = 0;
   RegionCounts regions;
+  uint32_t lanes = 0;
+  std::string client_name;
+  std::string command;
+  bool bound = false;
+  uint32_t ring_slots = 0;
+  uint32_t ring_pending = 0;
+  uint64_t idle_ms = 0;
+  uint64_t age_ms = 0;
+};
+
+// One op overload through one transport (opd.proto OpStats).
+struct OpStatsEntry {
+  std::string name;
+  std::string overload;
+  CallTransport transport = CallTransport::kGrpc;
+  uint64_t calls = 0;
+  uint64_t rejections = 0;
+  std::array<double, kCallStageCount> stage_mean_us{};  // by CallStage
 };
 
 struct StatsSnapshot {
@@ -114,6 +140,7 @@ struct StatsSnapshot {
     uint64_t count = 0;
   };
   std::vector<Stage> stages;  // empty before the first call
+  std::vector<OpStatsEntry> ops;  // rows with a call or a rejection
 };
 
 class Daemon {
@@ -148,6 +175,13 @@ class Daemon {
   void CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq, Status reason,
                     Executor::Completion done);
   Status GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const;
+  // GetStats of every session without what takes the call path's locks
+  // (the latency reservoirs) or walks the per-op table: for a scrape.
+  StatsSnapshot Gauges() const;
+  // The per-op counters and histograms (read by the metrics exporter).
+  const CallMetrics& call_metrics() const { return stats_.per_op; }
+  // Where /metrics is served, for GetVersion; set by main once listening.
+  void set_metrics_address(std::string address);
 
   // --- health and lifecycle ---
   // Why the daemon does or does not serve: one state, never read from a
@@ -179,6 +213,8 @@ class Daemon {
   Reaper& reaper() { return *reaper_; }
 
  private:
+  // GetStats; `latency`: also the stage percentiles and the per-op rows.
+  Status Snapshot(uint64_t session_id, std::string_view token, bool latency, StatsSnapshot* out) const;
   void SetNotServing(Health health, const std::string& reason);
   // OK while serving, else the rejection of the current state (under mu_).
   Status NotServingLocked() const;
@@ -192,6 +228,7 @@ class Daemon {
   const std::vector<OpInfo> catalog_;
   const DaemonDeps deps_;
   const std::string session_socket_;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 
   DaemonStats stats_;
   std::unique_ptr<Reaper> reaper_;
@@ -209,10 +246,11 @@ class Daemon {
   bool shutdown_requested_ = false;        // guarded by mu_
   int exit_code_ = 0;                      // guarded by mu_
   std::function<void(bool)> health_listener_;  // guarded by mu_
+  std::string metrics_address_;            // guarded by mu_
 
   // Lock order: never held while taking mu_ or calling into the consumers'
   // sinks; a consumer is stopped (joined) outside it.
-  std::mutex rings_mu_;
+  mutable std::mutex rings_mu_;
   std::map<uint64_t, std::shared_ptr<RingConsumer>> rings_;  // guarded by rings_mu_
   bool rings_stopped_ = false;                               // guarded by rings_mu_
 };

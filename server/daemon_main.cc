@@ -21,6 +21,7 @@
 #include "server/memory_trim.h"
 #include "server/options.h"
 #include "server/runtime_dir.h"
+#include "server/metrics/metrics_exporter.h"
 #include "server/signals.h"
 
 #ifndef CACHE_DIT_OPD_VERSION
@@ -133,6 +134,22 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
     spdlog::error("session channel: {}", d.message());
     return 2;
   }
+  // Metrics before gRPC, so a fatal bind failure has nothing to shut down.
+  MetricsExporter metrics(&daemon);
+  if (!opts.metrics_address.empty()) {
+    if (Status m = metrics.Start(opts.metrics_address); m.ok()) {
+      daemon.set_metrics_address(metrics.address());
+      spdlog::info("metrics: http://{}/metrics", metrics.address());
+    } else if (opts.metrics_address_given) {
+      spdlog::error("{}", m.message());
+      daemon.Stop();
+      return 2;
+    } else {
+      // The default port is one per node; the second daemon there still serves.
+      spdlog::warn("{} (the default --metrics-address): serving without metrics; give each daemon its own "
+                   "--metrics-address, or \"\" to turn metrics off", m.message());
+    }
+  }
   OperatorDaemonService service(&daemon);
   GrpcServer server;
   if (Status g = server.Start(paths.grpc, opts.max_message_bytes, &service, daemon.serving()); !g.ok()) {
@@ -166,6 +183,7 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
   // in gRPC are cheap handlers.
   server.Shutdown(std::chrono::milliseconds(200));
   daemon.SetHealthListener(nullptr);
+  metrics.Stop();
   daemon.Stop();
   signals.Stop();
   trimmer.Stop();

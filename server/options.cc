@@ -2,6 +2,7 @@
 
 #include <grp.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
@@ -55,6 +56,23 @@ Status ParseGid(const std::string& text, gid_t* out) {
 const char* kLogLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
 
 }  // namespace
+
+Status CheckMetricsAddress(const std::string& address) {
+  if (address.empty()) return Status::Ok();
+  const size_t colon = address.rfind(':');
+  const std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
+  const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
+  const bool bracketed = host.size() >= 2 && host.front() == '[' && host.back() == ']';
+  const bool host_ok = !host.empty() && (bracketed || host.find(':') == std::string::npos);
+  const bool port_ok = !port.empty() && port.size() <= 5 &&
+                       std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+                       std::stoul(port) >= 1 && std::stoul(port) <= 65535;
+  if (!host_ok || !port_ok) {
+    return Status::InvalidArgument("--metrics-address '", address,
+                                   "': expected HOST:PORT (e.g. 127.0.0.1:9464, [::1]:9464, 0.0.0.0:9464) or \"\"");
+  }
+  return Status::Ok();
+}
 
 Status ParseByteSize(const std::string& text, uint64_t* out) {
   if (text.empty()) return Status::InvalidArgument("empty size");
@@ -180,6 +198,11 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     } else if (flag == "--memory-trim-ms") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 3600000, &opts->memory_trim_ms));
+    } else if (flag == "--metrics-address") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(CheckMetricsAddress(value));
+      opts->metrics_address = value;
+      opts->metrics_address_given = true;
     } else if (flag == "--load-library") {
       OPD_RETURN_IF_ERROR(next());
       if (value.empty()) return Status::InvalidArgument("--load-library: empty path");
@@ -198,7 +221,7 @@ std::string OptionsUsage() {
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
          "                     [--spin-us US] [--parking-slots N] [--park-deadline-ms MS]\n"
-         "                     [--memory-trim-ms MS] ; see --help\n";
+         "                     [--memory-trim-ms MS] [--metrics-address HOST:PORT] ; see --help\n";
 }
 
 std::string OptionsHelp() {
@@ -258,6 +281,13 @@ std::string OptionsHelp() {
          "  --memory-trim-ms MS      Every MS, give memory freed since (more than 16M of it, e.g.\n"
          "                           after a burst of oversized requests) back to the kernel with\n"
          "                           malloc_trim (default 10000; 0: never).\n"
+         "  --metrics-address HOST:PORT\n"
+         "                           Serve Prometheus metrics at http://HOST:PORT/metrics (default\n"
+         "                           127.0.0.1:9464; \"\" turns it off; GetVersion reports it). When\n"
+         "                           the default port is taken (a\n"
+         "                           second daemon on the node) the daemon serves without metrics and\n"
+         "                           says so; an address given here that cannot be bound is an error.\n"
+         "                           Names and labels: server/metrics/metrics_exporter.h.\n"
          "  -h, --help               Print this help and exit.\n"
          "\n"
          "Sockets are created mode 0660. A stale socket (nobody accepts on it) is replaced; a live\n"

@@ -49,6 +49,9 @@ struct Options {
   uint32_t parking_slots = 8;            // --parking-slots: lanes with a GPU wait parked at once (0: host checks)
   uint32_t park_deadline_ms = 2000;      // --park-deadline-ms: a parked lane this still loses its slot
   uint32_t memory_trim_ms = 10000;       // --memory-trim-ms: freed memory back to the kernel (0: never)
+  // --metrics-address: where Prometheus /metrics is served; "" = off.
+  std::string metrics_address = "127.0.0.1:9464";
+  bool metrics_address_given = false;    // on the command line (a bind failure is then fatal)
 };
 
 // ParseOptions
@@ -65,6 +68,11 @@ std::string OptionsHelp();
 
 // One line: "usage: cache-dit-opd [--device N] ...; see --help".
 std::string OptionsUsage();
+
+// "" (off), or HOST:PORT with a port in [1, 65535] and a non-empty host
+// (an IPv6 host in brackets: "[::1]:9464"). INVALID_ARGUMENT naming the
+// value otherwise.
+Status CheckMetricsAddress(const std::string& address);
 
 // Parses "64", "4K", "16M", "2G", "1T" (bytes). INVALID_ARGUMENT otherwise.
 Status ParseByteSize(const std::string& text, uint64_t* out);

@@ -7,9 +7,9 @@
 # 2. deploy/build.sh              one CUDA target: CACHE_DIT_CUDA_ARCH_LIST,
 #                                 default 90a, to keep CI short; -Werror
 # 3. ctest -LE gpu                GoogleTest suites that need no device
-# 4. pytest tests/kernels, tests/python, tests/bench -m "not gpu" (one process each)
-# 5. the C++ suites again under ASan+UBSan, and the Python suite against an
-#    ASan+UBSan daemon binary
+# 4. pytest tests/kernels, tests/python, tests/bench, tests/deploy -m "not gpu" (one process each;
+#    tests/deploy: the Kubernetes manifests, validated offline)
+# 5. the C++ suites again under ASan+UBSan (tests/sanitizers/ubsan.supp)
 # 6. the concurrency suites under TSan (CACHE_DIT_SANITIZERS, default
 #    "asan,tsan", names the steps 5 and 6 that run; "none": neither)
 # 7. every fuzzer for 20 s (CACHE_DIT_FUZZ=none skips it)
@@ -78,7 +78,7 @@ if [ -d "$ROOT/python" ]; then export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PY
 export CACHE_DIT_OPD_REQUIRE_BUILD=1
 JUNIT=("$RESULTS/ctest.xml" "$CTEST_RC")
 PYTEST_RC=0
-for suite in tests/kernels tests/python tests/bench; do
+for suite in tests/kernels tests/python tests/bench tests/deploy; do
   say "== pytest $suite -m 'not gpu'"
   xml="$RESULTS/pytest-$(basename "$suite").xml"
   rm -f "$xml"
@@ -108,7 +108,9 @@ if [[ ",$SANITIZERS," == *,asan,* ]] && [ "$BUILD_RC" -eq 0 ]; then
   if [ "$SAN_RC" -eq 0 ]; then
     say "== ctest under ASan+UBSan (label gpu and server.daemon_process excluded)"
     # protect_shadow_gap=0: the CUDA runtime maps memory where ASan's shadow gap would be.
-    ASAN_OPTIONS="protect_shadow_gap=0:detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
+    # tests/sanitizers/ubsan.supp: spdlog's uninstrumented logger under descriptor exhaustion.
+    ASAN_OPTIONS="protect_shadow_gap=0:detect_leaks=1" \
+      UBSAN_OPTIONS="print_stacktrace=1:suppressions=$ROOT/tests/sanitizers/ubsan.supp" \
       ctest --test-dir "$ASAN_DIR" --output-on-failure --no-tests=error -LE gpu -E '^server\.daemon_process$' \
       --output-junit "$RESULTS/ctest-asan.xml"
     SAN_RC=$?

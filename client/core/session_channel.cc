@@ -41,25 +41,24 @@ Status ConnectSessionChannel(const std::string& path, UniqueFd* out) {
   return Status::Ok();
 }
 
-Status BindSession(int fd, uint64_t session_id, std::string_view token, int timeout_ms,
-                   uint64_t expected_bytes, UniqueFd* memfd, uint64_t* shm_bytes) {
-  if (token.size() != v1::kTokenBytes) {
-    return Status::InvalidArgument("session token is ", token.size(), " bytes, expected ", v1::kTokenBytes);
-  }
-  v1::BindRequest req{};
-  req.magic = v1::kBindRequestMagic;
-  req.protocol_version = v1::kProtocolVersion;
-  req.session_id = session_id;
-  std::memcpy(req.token, token.data(), v1::kTokenBytes);
+namespace {
+
+// Sends one request message and receives the one BindReply the daemon
+// answers every first message with. A refusal (status_code != 0) comes back
+// as the daemon's status and reason, prefixed with `what`; on success
+// `*reply` and `*fds` hold the reply and every descriptor that came with it
+// (owned, so none leaks on an error path).
+Status Exchange(int fd, const void* request, size_t request_bytes, const char* what, int timeout_ms,
+                v1::BindReply* reply, std::vector<UniqueFd>* fds) {
   ssize_t n;
   do {
-    n = ::send(fd, &req, sizeof(req), MSG_NOSIGNAL);
+    n = ::send(fd, request, request_bytes, MSG_NOSIGNAL);
   } while (n < 0 && errno == EINTR);
   // EPIPE / ECONNRESET: the daemon has already answered and closed (a
   // refusal at accept); its reply is still queued here, so read it.
   const bool peer_closed = n < 0 && (errno == EPIPE || errno == ECONNRESET);
-  if (n != static_cast<ssize_t>(sizeof(req)) && !peer_closed) {
-    return Status::Unavailable("send BindRequest on the session channel: ",
+  if (n != static_cast<ssize_t>(request_bytes) && !peer_closed) {
+    return Status::Unavailable("send ", what, " request on the session channel: ",
                                n < 0 ? std::strerror(errno) : "short write");
   }
 
@@ -68,7 +67,7 @@ Status BindSession(int fd, uint64_t session_id, std::string_view token, int time
   do {
     rc = ::poll(&p, 1, timeout_ms);
   } while (rc < 0 && errno == EINTR);
-  if (rc == 0) return Status::DeadlineExceeded("no BindReply on the session channel within ", timeout_ms, " ms");
+  if (rc == 0) return Status::DeadlineExceeded("no reply to the ", what, " request within ", timeout_ms, " ms");
   if (rc < 0) return Status::Internal("poll(session channel): ", std::strerror(errno));
 
   // One byte more than a BindReply, so an oversized message shows up as
@@ -87,38 +86,52 @@ Status BindSession(int fd, uint64_t session_id, std::string_view token, int time
   } while (n < 0 && errno == EINTR);
   if (n < 0) return Status::Unavailable("recvmsg(session channel): ", std::strerror(errno));
 
-  // Take ownership of every descriptor received before judging the message,
-  // so none leaks on an error path.
-  std::vector<UniqueFd> fds;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
       const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
       for (size_t i = 0; i < count; ++i) {
         int f;
         std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        fds.emplace_back(f);
+        fds->emplace_back(f);
       }
     }
   }
   if (n == 0) {
-    return Status::Unavailable("the daemon closed the session channel before replying to the bind "
-                               "(session expired, wrong token, or daemon shutting down)");
+    return Status::Unavailable("the daemon closed the session channel before replying to the ", what,
+                               " request (session expired, wrong token, or daemon shutting down)");
   }
   if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || n != static_cast<ssize_t>(sizeof(v1::BindReply))) {
-    return Status::Internal("malformed BindReply: ", n, " bytes (expected ", sizeof(v1::BindReply),
-                            ")", (msg.msg_flags & MSG_CTRUNC) ? ", control data truncated" : "");
+    return Status::Internal("malformed reply to the ", what, " request: ", n, " bytes (expected ",
+                            sizeof(v1::BindReply), ")", (msg.msg_flags & MSG_CTRUNC) ? ", control data truncated" : "");
   }
-  v1::BindReply reply;
-  std::memcpy(&reply, buf, sizeof(reply));
-  if (reply.status_code != 0) {
-    const size_t len = strnlen(reply.message, sizeof(reply.message));
-    const int code = reply.status_code;
+  std::memcpy(reply, buf, sizeof(*reply));
+  if (reply->status_code != 0) {
+    const size_t len = strnlen(reply->message, sizeof(reply->message));
+    const int code = reply->status_code;
     const auto sc = (code > 0 && code <= static_cast<int>(StatusCode::kUnavailable))
                         ? static_cast<StatusCode>(code)
                         : StatusCode::kUnknown;
-    return Status(sc, "session bind refused by the daemon: " + std::string(reply.message, len),
-                  ReasonFromWire(reply.reason));
+    return Status(sc, std::string(what) + " refused by the daemon: " + std::string(reply->message, len),
+                  ReasonFromWire(reply->reason));
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status BindSession(int fd, uint64_t session_id, std::string_view token, int timeout_ms,
+                   uint64_t expected_bytes, UniqueFd* memfd, uint64_t* shm_bytes) {
+  if (token.size() != v1::kTokenBytes) {
+    return Status::InvalidArgument("session token is ", token.size(), " bytes, expected ", v1::kTokenBytes);
+  }
+  v1::BindRequest req{};
+  req.magic = v1::kBindRequestMagic;
+  req.protocol_version = v1::kProtocolVersion;
+  req.session_id = session_id;
+  std::memcpy(req.token, token.data(), v1::kTokenBytes);
+  v1::BindReply reply;
+  std::vector<UniqueFd> fds;
+  OPD_RETURN_IF_ERROR(Exchange(fd, &req, sizeof(req), "session bind", timeout_ms, &reply, &fds));
   if (reply.layout_version != v1::kLayoutVersion) {
     return Status::FailedPrecondition("daemon session memory layout version ", reply.layout_version,
                                       " is not the client's ", v1::kLayoutVersion);
@@ -133,6 +146,16 @@ Status BindSession(int fd, uint64_t session_id, std::string_view token, int time
   *memfd = std::move(fds[0]);
   *shm_bytes = reply.shared_memory_bytes;
   return Status::Ok();
+}
+
+Status RequestDrain(int fd, int timeout_ms) {
+  v1::AdminRequest req{};
+  req.magic = v1::kAdminRequestMagic;
+  req.protocol_version = v1::kProtocolVersion;
+  req.command = static_cast<uint32_t>(v1::AdminCommand::kDrain);
+  v1::BindReply reply;
+  std::vector<UniqueFd> fds;
+  return Exchange(fd, &req, sizeof(req), "drain", timeout_ms, &reply, &fds);
 }
 
 }  // namespace cache_dit_opd::client

@@ -66,4 +66,13 @@ Status ConnectSessionChannel(const std::string& path, UniqueFd* out);
 Status BindSession(int fd, uint64_t session_id, std::string_view token, int timeout_ms,
                    uint64_t expected_bytes, UniqueFd* memfd, uint64_t* shm_bytes);
 
+// RequestDrain
+//
+// Sends AdminRequest{kDrain} on the connected channel `fd` (instead of a
+// bind) and waits up to `timeout_ms` for the daemon's answer: OK once the
+// daemon has begun draining (it then exits 0 after --drain-deadline-ms at
+// most); PERMISSION_DENIED / PEER_REFUSED unless the caller is root or the
+// daemon's uid; the other errors as BindSession's.
+Status RequestDrain(int fd, int timeout_ms);
+
 }  // namespace cache_dit_opd::client

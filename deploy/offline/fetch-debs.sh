@@ -28,6 +28,7 @@ ROOTS=(
   libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev googletest
   pkgconf
+  prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb-dev libcivetweb1
 )
 
 # Packages left out of the closure, and why. Every Debian 12 / Ubuntu 24.04

@@ -19,8 +19,18 @@ namespace cache_dit_opd {
 using Clock = std::chrono::steady_clock;
 
 namespace {
-double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+int64_t SteadyNanos(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
 }  // namespace
+
+void Executor::Count(const Item& item, const Status& outcome) {
+  if (stats_) stats_->Count(item.row, item.req.transport, outcome);
+}
+
+void Executor::Observe(const Item& item, CallStage stage, Clock::duration d) {
+  if (stats_) stats_->Observe(item.row, item.req.transport, stage, d);
+}
 
 Executor::Executor(DeviceOps* device, CallRunner* runner, DaemonStats* stats, ExecutorOptions options,
                    FatalHook on_fatal)
@@ -102,10 +112,11 @@ Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
 
 void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done) {
   Item item{session, std::move(req), std::move(done), Clock::now(), {}, nullptr, Status(), false, false};
+  if (stats_) item.row = stats_->per_op.Row(item.req.op, item.req.overload);
   Status reject = Enqueue(session, item);
   if (!reject.ok()) {
     session->errors.fetch_add(1, std::memory_order_relaxed);
-    if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+    Count(item, reject);
     item.done(reject);
   }
 }
@@ -119,11 +130,13 @@ void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t 
   req.seq = seq;
   // Answered now, on this thread: the verdict is already known. Queued as
   // answered, so at its turn Finish only writes "done" and counts the error.
+  req.transport = CallTransport::kRing;  // the one transport whose records can be undecodable
   Item item{session, std::move(req), [](const Status&) {}, Clock::now(), Clock::now(), nullptr, reason, true, true};
+  if (stats_) item.row = stats_->per_op.other_row();
   Status reject = Enqueue(session, item);
   if (!reject.ok()) {
     session->errors.fetch_add(1, std::memory_order_relaxed);
-    if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+    Count(item, reject);
   }
   done(reason);
 }
@@ -259,16 +272,10 @@ void Executor::Finish(LaneQueue& q, Item& item, Status status) {
     std::lock_guard<std::mutex> lock(mu_);
     status = fatal_status_;
   }
-  if (status.ok()) {
-    q.session->calls.fetch_add(1, std::memory_order_relaxed);
-    if (stats_) stats_->calls.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    q.session->errors.fetch_add(1, std::memory_order_relaxed);
-    if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
-  }
-  if (stats_) {
-    stats_->call_latency_us.Record(Micros(Clock::now() - item.received));
-  }
+  (status.ok() ? q.session->calls : q.session->errors).fetch_add(1, std::memory_order_relaxed);
+  q.session->last_call_ns.store(SteadyNanos(Clock::now()), std::memory_order_relaxed);
+  Count(item, status);
+  Observe(item, CallStage::kTotal, Clock::now() - item.received);
   item.prepared.reset();
   Completion done = std::move(item.done);
   {
@@ -295,7 +302,7 @@ void Executor::Accept(LaneQueue& q, Item& item) {
   item.verdict = s;
   item.validated = true;
   item.answered_at = Clock::now();
-  if (stats_) stats_->accept_us.Record(Micros(item.answered_at - item.received));
+  Observe(item, CallStage::kAccept, item.answered_at - item.received);
   // A host-ordered call that passed is answered once it has run (Answer()).
   if (item.req.host_ordered && s.ok()) return;
   item.answered = true;
@@ -382,10 +389,8 @@ bool Executor::RunReady() {
         s = fatal;
       }
       Finish(q, item, s);
-      if (stats_) {
-        stats_->inputs_wait_us.Record(Micros(run_start - item.answered_at));
-        stats_->run_us.Record(Micros(Clock::now() - run_start));
-      }
+      Observe(item, CallStage::kInputsWait, run_start - item.answered_at);
+      Observe(item, CallStage::kRun, Clock::now() - run_start);
       q.items.pop_front();
       progress = true;
     }
@@ -497,7 +502,7 @@ void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reaso
     for (Item& item : q.items) {
       item.prepared.reset();
       q.session->errors.fetch_add(1, std::memory_order_relaxed);
-      if (stats_) stats_->errors.fetch_add(1, std::memory_order_relaxed);
+      Count(item, reason);
       if (!item.answered) item.done(reason);
     }
     {

@@ -41,4 +41,19 @@ uint64_t LatencyReservoir::recorded() const {
   return recorded_;
 }
 
+void DaemonStats::Count(size_t row, CallTransport transport, const Status& outcome) {
+  (outcome.ok() ? calls : errors).fetch_add(1, std::memory_order_relaxed);
+  per_op.Count(row, transport, outcome);
+}
+
+void DaemonStats::Observe(size_t row, CallTransport transport, CallStage stage,
+                          std::chrono::steady_clock::duration d) {
+  LatencyReservoir* reservoir = stage == CallStage::kAccept       ? &accept_us
+                                : stage == CallStage::kInputsWait ? &inputs_wait_us
+                                : stage == CallStage::kRun        ? &run_us
+                                                                  : &call_latency_us;
+  reservoir->Record(std::chrono::duration<double, std::micro>(d).count());
+  per_op.Observe(row, transport, stage, std::chrono::duration_cast<std::chrono::nanoseconds>(d));
+}
+
 }  // namespace cache_dit_opd

@@ -26,6 +26,12 @@ void ToProto(const VersionInfo& in, v1::VersionReply* out) {
   out->set_not_serving_reason(in.not_serving_reason);
   out->set_layout_version(in.layout_version);
   out->set_ring_available(in.ring_available);
+  out->set_daemon_pid(in.daemon_pid);
+  out->set_daemon_uid(in.daemon_uid);
+  out->set_metrics_address(in.metrics_address);
+  out->set_health_reason(static_cast<v1::Reason>(in.health_reason));
+  out->set_uptime_ms(in.uptime_ms);
+  out->set_session_channel_path(in.session_channel_path);
 }
 
 void ToProto(const OpenSessionResult& in, v1::OpenSessionReply* out) {
@@ -66,6 +72,26 @@ void ToProto(const StatsSnapshot& in, v1::StatsReply* out) {
     s->set_regions(e.regions.regions);
     s->set_mapped_bytes(e.regions.mapped_bytes);
     s->set_pending_unmaps(e.regions.pending_unmaps);
+    s->set_lanes(e.lanes);
+    s->set_client_name(e.client_name);
+    s->set_command(e.command);
+    s->set_bound(e.bound);
+    s->set_ring_slots(e.ring_slots);
+    s->set_ring_pending(e.ring_pending);
+    s->set_idle_ms(e.idle_ms);
+    s->set_age_ms(e.age_ms);
+  }
+  for (const OpStatsEntry& e : in.ops) {
+    v1::OpStats* o = out->add_ops();
+    o->set_name(e.name);
+    o->set_overload(e.overload);
+    o->set_transport(CallTransportName(e.transport));
+    o->set_calls(e.calls);
+    o->set_rejections(e.rejections);
+    o->set_accept_mean_us(e.stage_mean_us[static_cast<size_t>(CallStage::kAccept)]);
+    o->set_inputs_wait_mean_us(e.stage_mean_us[static_cast<size_t>(CallStage::kInputsWait)]);
+    o->set_run_mean_us(e.stage_mean_us[static_cast<size_t>(CallStage::kRun)]);
+    o->set_total_mean_us(e.stage_mean_us[static_cast<size_t>(CallStage::kTotal)]);
   }
   for (const StatsSnapshot::Stage& st : in.stages) {
     v1::StageLatency* s = out->add_stages();

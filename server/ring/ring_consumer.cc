@@ -111,6 +111,14 @@ void RingConsumer::Sleep() {
   Disarm();
 }
 
+uint32_t RingConsumer::Occupancy() const {
+  v1::RingControl* ctl = session_->memory().ring_control();
+  const uint64_t head = std::atomic_ref<uint64_t>(ctl->sq_head).load(std::memory_order_acquire);
+  const uint64_t tail = std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_acquire);
+  const uint32_t capacity = session_->memory().ring_capacity();
+  return tail < head ? 0 : static_cast<uint32_t>(std::min<uint64_t>(tail - head, capacity));
+}
+
 bool RingConsumer::Pending() const {
   return std::atomic_ref<uint64_t>(session_->memory().ring_control()->sq_tail).load(std::memory_order_acquire) !=
              head_ ||
@@ -186,6 +194,7 @@ void RingConsumer::Process(uint64_t ticket, const uint8_t* copy) {
   CallRequest req;
   RecordIds ids;
   Status s = DecodeRecord(copy, v1::kSlotBytes, *catalog_, &req, &ids);
+  req.transport = CallTransport::kRing;
   bool usable = ids.header_usable;
   if (usable && ids.ticket != ticket) {
     // Not this ticket's record (stale or misplaced): its lane and seq are not

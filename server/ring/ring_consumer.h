@@ -124,6 +124,10 @@ class RingConsumer final : public CallSource {
   uint64_t session_id() const { return session_->id(); }
   // Counters (any thread): records taken, of which malformed; futex sleeps.
   uint64_t records() const { return records_.load(std::memory_order_relaxed); }
+  // Records published and not yet taken, as the session memory says
+  // (sq_tail - sq_head; the client writes sq_tail, so clamped to the
+  // capacity). For the metrics; any thread.
+  uint32_t Occupancy() const;
   uint64_t malformed() const { return malformed_.load(std::memory_order_relaxed); }
   uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
 

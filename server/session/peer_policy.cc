@@ -5,6 +5,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 namespace cache_dit_opd {
 
@@ -25,6 +27,12 @@ Status PeerPolicy::Admit(const PeerCred& peer) const {
                                   "; start the daemon with --allowed-gid to admit a group");
 }
 
+Status PeerPolicy::AdmitAdmin(const PeerCred& peer) const {
+  if (peer.uid == 0 || peer.uid == own_uid_) return Status::Ok();
+  return Status::Rejected(Reason::kPeerRefused, "admin request from pid ", peer.pid, " (uid ", peer.uid,
+                          ") refused: only root and the daemon's uid ", own_uid_, " may drain it");
+}
+
 Status ReadPeerCred(int fd, PeerCred* out) {
   ucred cred{};
   socklen_t len = sizeof(cred);
@@ -33,6 +41,39 @@ Status ReadPeerCred(int fd, PeerCred* out) {
   }
   *out = PeerCred{cred.pid, cred.uid, cred.gid};
   return Status::Ok();
+}
+
+Status InnermostPid(pid_t pid, pid_t* out) {
+  if (pid <= 0) {
+    return Status::Rejected(Reason::kPeerRefused, "the peer is outside the daemon's PID namespace (SO_PEERCRED pid ",
+                            pid, "): run the daemon in the PID namespace of its clients or an ancestor of it "
+                            "(a container: hostPID)");
+  }
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("NSpid:", 0) != 0) continue;
+    std::istringstream fields(line.substr(6));
+    long last = -1;
+    for (long v; fields >> v;) last = v;
+    if (last <= 0) break;
+    *out = static_cast<pid_t>(last);
+    return Status::Ok();
+  }
+  return Status::Rejected(Reason::kPeerRefused, "cannot read the PID namespace of peer pid ", pid,
+                          " from /proc/", pid, "/status");
+}
+
+std::string ReadCommandLine(pid_t pid, size_t max_bytes) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+  std::string text(max_bytes, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(max_bytes));
+  text.resize(static_cast<size_t>(in.gcount()));
+  while (!text.empty() && text.back() == '\0') text.pop_back();
+  for (char& c : text) {
+    if (c == '\0') c = ' ';
+    else if (static_cast<unsigned char>(c) < 0x20) c = '?';  // no control characters into a terminal
+  }
+  return text;
 }
 
 }  // namespace cache_dit_opd

@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include <optional>
+#include <string>
 
 #include "common/status.h"
 
@@ -29,6 +30,9 @@ class PeerPolicy {
 
   // PERMISSION_DENIED naming the peer's pid, uid and gid when not admitted.
   Status Admit(const PeerCred& peer) const;
+  // Admin requests (drain): root or the daemon's own uid only; --allowed-gid
+  // admits clients, not operators.
+  Status AdmitAdmin(const PeerCred& peer) const;
 
   uid_t own_uid() const { return own_uid_; }
   std::optional<gid_t> allowed_gid() const { return allowed_gid_; }
@@ -40,5 +44,17 @@ class PeerPolicy {
 
 // Reads SO_PEERCRED of a connected Unix socket. INTERNAL on failure.
 Status ReadPeerCred(int fd, PeerCred* out);
+
+// The pid `pid` (as this process's PID namespace numbers it) has in its own,
+// innermost PID namespace: the last field of /proc/<pid>/status "NSpid".
+// Equal to `pid` for a process of this namespace; a client in a child
+// namespace (a container, `unshare --pid`) knows itself by the inner one.
+// SO_PEERCRED reports pid 0 for a peer outside this namespace's hierarchy:
+// PEER_REFUSED saying so. PEER_REFUSED when /proc cannot tell.
+Status InnermostPid(pid_t pid, pid_t* out);
+
+// /proc/<pid>/cmdline with arguments joined by spaces, cut at `max_bytes`;
+// "" when unreadable. For people (opdctl sessions), never for decisions.
+std::string ReadCommandLine(pid_t pid, size_t max_bytes = 256);
 
 }  // namespace cache_dit_opd

@@ -119,6 +119,13 @@ class Session {
 
   std::atomic<uint64_t> calls{0};   // calls run
   std::atomic<uint64_t> errors{0};  // calls rejected
+  // steady_clock nanoseconds of the last call's completion; 0: none yet.
+  std::atomic<int64_t> last_call_ns{0};
+  std::chrono::steady_clock::time_point opened_at() const { return opened_at_; }
+  // The bound peer's command line (/proc/<pid>/cmdline, arguments joined by
+  // spaces, at most 256 bytes), read at bind: for people (opdctl sessions).
+  const std::string& command() const { return command_; }
+  void set_command(std::string command) { command_ = std::move(command); }
 
  private:
   Session(const SessionConfig& config, DeviceOps* device) : config_(config), device_(device) {}
@@ -135,6 +142,8 @@ class Session {
   std::atomic<SessionState> state_{SessionState::kUnbound};
   PeerCred peer_;
   std::chrono::steady_clock::time_point bind_deadline_{};
+  const std::chrono::steady_clock::time_point opened_at_ = std::chrono::steady_clock::now();
+  std::string command_;  // set once, at bind, before the session is visible as bound
   bool released_ = false;
 };
 

@@ -233,6 +233,30 @@ void SessionChannel::Accept() {
   }
 }
 
+Status SessionChannel::HandleAdmin(std::string_view bytes, const PeerCred& peer) {
+  v1::AdminRequest req;
+  std::memcpy(&req, bytes.data(), sizeof(req));
+  if (req.magic != v1::kAdminRequestMagic) {
+    return Status::Rejected(Reason::kMalformed, "a ", sizeof(req), "-byte message that is not an admin request (magic 0x",
+                            std::hex, req.magic, ")");
+  }
+  if (req.protocol_version != v1::kProtocolVersion) {
+    return Status::Rejected(Reason::kVersionMismatch, "admin request of protocol version ", req.protocol_version,
+                            ", this daemon speaks ", v1::kProtocolVersion);
+  }
+  if (req.command != static_cast<uint32_t>(v1::AdminCommand::kDrain) || req.reserved != 0) {
+    return Status::Rejected(Reason::kBadArgument, "unknown admin command ", req.command);
+  }
+  if (!admin_) return Status(StatusCode::kUnimplemented, "this daemon takes no admin requests");
+  Status s = admin_(v1::AdminCommand::kDrain, peer);
+  static LogThrottle logged(10, std::chrono::seconds(10));  // any peer can ask
+  if (const auto v = logged.Next(); v.log) {
+    spdlog::warn("session channel: drain requested by pid {} uid {}: {}{}", peer.pid, peer.uid,
+                 s.ok() ? "accepted" : s.ToString(), SuppressedNote(v.suppressed));
+  }
+  return s;
+}
+
 void SessionChannel::HandleBind(Conn& conn) {
   // One message; MSG_TRUNC reports its real length so oversize is caught.
   char buf[sizeof(v1::BindRequest) + 1];
@@ -246,10 +270,17 @@ void SessionChannel::HandleBind(Conn& conn) {
   const PeerCred peer = conn.peer;  // SO_PEERCRED is fixed at connect; read at accept
   std::shared_ptr<Session> session;
   const size_t len = std::min<size_t>(static_cast<size_t>(n), sizeof(buf));
+  const std::string_view bytes(buf, len);
+  if (len == sizeof(v1::AdminRequest)) {
+    Status a = HandleAdmin(bytes, peer);
+    (void)SendBindReply(fd, a, 0, -1);  // best effort: the peer may be gone
+    CloseConn(fd);
+    return;
+  }
   Status s = static_cast<size_t>(n) > sizeof(v1::BindRequest)
                  ? Status::Rejected(Reason::kMalformed, "bind request is ", n, " bytes, expected ",
                                     sizeof(v1::BindRequest))
-                 : manager_->Bind(std::string_view(buf, len), peer, &session);
+                 : manager_->Bind(bytes, peer, &session);
   if (!s.ok()) {
     // A peer can cause this at will: a bounded number of lines per interval.
     static LogThrottle refused(10, std::chrono::seconds(10));

@@ -10,6 +10,9 @@
 //            connection stays open for the session's life
 //   failure: BindReply{code, message}; the connection is closed
 //
+//   or: client sends AdminRequest (an operator's drain, session_memory.h)
+//   daemon answers BindReply{the admin handler's status} and closes
+//
 // When a bound connection closes (the client exited or crashed, or closed it
 // deliberately) the session ends at once. When the session ends for another
 // reason (CloseSession, bind timeout, shutdown) CloseSession(id) closes the
@@ -42,10 +45,12 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "cache_dit_opd/v1/session_memory.h"
 #include "common/status.h"
 #include "server/session/session_manager.h"
 
@@ -82,6 +87,10 @@ class SessionChannel {
   // be free (see PrepareSocketPath in server/runtime_dir.h). INTERNAL naming
   // the syscall on failure.
   Status Listen();
+  // What an AdminRequest does (the daemon's drain; it checks the peer).
+  // Without a handler, admin requests are UNIMPLEMENTED. Set before Start.
+  using AdminHandler = std::function<Status(v1::AdminCommand, const PeerCred&)>;
+  void SetAdminHandler(AdminHandler handler) { admin_ = std::move(handler); }
   // Starts the channel thread (after Listen).
   Status Start();
   // Stops accepting new connections (drain); bound ones stay.
@@ -112,6 +121,7 @@ class SessionChannel {
   void ResumeAccepting();
   void OnReadable(Conn& conn);
   void HandleBind(Conn& conn);
+  Status HandleAdmin(std::string_view bytes, const PeerCred& peer);
   void CloseConn(int fd);
   void Wake();
 
@@ -119,6 +129,7 @@ class SessionChannel {
   SessionManager* const manager_;
   const std::chrono::milliseconds tick_;
   SessionChannelLimits limits_;
+  AdminHandler admin_;
 
   int listen_fd_ = -1;
   bool created_ = false;  // we bound the socket file, so Stop removes it

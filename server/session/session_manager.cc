@@ -135,6 +135,7 @@ Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::s
                             v1::kProtocolVersion, ": install matching versions of the client and the daemon");
   }
   OPD_RETURN_IF_ERROR(policy_.Admit(peer));
+  std::string command = ReadCommandLine(peer.pid);
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -145,13 +146,22 @@ Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::s
       return Status::Rejected(Reason::kBadToken, "wrong token for session ", req.session_id);
     }
     if (peer.pid != s->client_pid()) {
-      return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " does not match OpenSession's client_pid ",
-                              s->client_pid(), " for session ", req.session_id);
+      // A client in a child PID namespace claims its inner pid; SO_PEERCRED
+      // gives the pid in ours. The same process if its innermost pid is the
+      // claimed one.
+      pid_t inner = 0;
+      OPD_RETURN_IF_ERROR(InnermostPid(peer.pid, &inner));
+      if (inner != s->client_pid()) {
+        return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " (", inner,
+                                " in its PID namespace) does not match OpenSession's client_pid ", s->client_pid(),
+                                " for session ", req.session_id);
+      }
     }
     if (s->state() != SessionState::kUnbound) {
       return Status::Rejected(Reason::kMalformed, "session ", req.session_id, " is already bound");
     }
     s->set_peer(peer);
+    s->set_command(std::move(command));
     s->set_state(SessionState::kBound);
   }
   static LogThrottle bound(50, std::chrono::seconds(10));

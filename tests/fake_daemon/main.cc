@@ -2,8 +2,10 @@
 // sockets, gRPC service, session channel, rings, executor and error
 // reasons) on fake device operations, for tests on machines without a GPU.
 //
-//   - the "GPU" is always usable; its UUID is $CACHE_DIT_OPD_FAKE_GPU_UUID
-//     (default GPU-00000000-0000-0000-0000-000000000000), unless
+//   - the "GPU" is always usable; its UUID is $CACHE_DIT_OPD_FAKE_GPU_UUID,
+//     else $CUDA_VISIBLE_DEVICES when that is one GPU UUID (what the per-node
+//     launcher sets for each daemon it starts), else
+//     GPU-00000000-0000-0000-0000-000000000000; unless
 //     $CACHE_DIT_OPD_FAKE_NOT_SERVING names a reason not to serve;
 //   - stream memory operations write host memory at once (a lane's "done"
 //     is written as soon as its call runs); with $CACHE_DIT_OPD_FAKE_HOLD=1
@@ -20,6 +22,7 @@
 #include <memory>
 #include <string>
 
+#include "common/gpu_uuid.h"
 #include "server/daemon_main.h"
 #include "server/dispatch/torch_call_runner.h"
 #include "tests/fake_daemon/fakes.h"
@@ -37,7 +40,9 @@ class FakeBackend final : public DeviceBackend {
   DeviceInfo Probe(int device) override {
     DeviceInfo info;
     info.index = device;
-    info.uuid = Env("CACHE_DIT_OPD_FAKE_GPU_UUID", "GPU-00000000-0000-0000-0000-000000000000");
+    const std::string visible = Env("CUDA_VISIBLE_DEVICES", "");
+    info.uuid = Env("CACHE_DIT_OPD_FAKE_GPU_UUID",
+                    IsGpuUuid(visible) ? visible.c_str() : "GPU-00000000-0000-0000-0000-000000000000");
     info.name = "fake device";
     info.reason = Env("CACHE_DIT_OPD_FAKE_NOT_SERVING", "");
     info.ok = info.reason.empty();

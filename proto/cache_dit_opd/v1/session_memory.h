@@ -9,8 +9,14 @@
 //   daemon -> client, one message:  BindReply (16 + 256 bytes) with, on
 //                                   success, the session memfd attached as
 //                                   SCM_RIGHTS ancillary data
+//   or, instead of a bind (an operator, not a client):
+//   client -> daemon, one message:  AdminRequest (16 bytes)
+//   daemon -> client, one message:  BindReply (no memfd); then the daemon
+//                                   closes the connection
 // The daemon admits the peer only when SO_PEERCRED's uid equals its own (or
-// its gid equals --allowed-gid) and its pid equals OpenSession's client_pid.
+// its gid equals --allowed-gid) and its pid equals OpenSession's client_pid
+// (the pid the peer has in its own PID namespace: /proc/<pid>/status NSpid).
+// An AdminRequest is admitted from root and the daemon's own uid only.
 // The connection then stays open for the life of the session: when either
 // side closes it, the session ends at once (client death is noticed here).
 //
@@ -56,6 +62,23 @@ struct BindRequest {
   uint8_t token[kTokenBytes];
 };
 static_assert(sizeof(BindRequest) == 48);
+
+inline constexpr uint32_t kAdminRequestMagic = 0x4E4D4441u;   // "ADMN"
+
+enum class AdminCommand : uint32_t {
+  // Stop accepting sessions, let queued calls finish (--drain-deadline-ms),
+  // end every session and exit 0: what SIGTERM does, for a peer that cannot
+  // signal the daemon (another PID namespace) or should not need its pid.
+  kDrain = 1,
+};
+
+struct AdminRequest {
+  uint32_t magic;             // kAdminRequestMagic
+  uint32_t protocol_version;  // kProtocolVersion
+  uint32_t command;           // AdminCommand
+  uint32_t reserved;          // 0
+};
+static_assert(sizeof(AdminRequest) == 16);
 
 struct BindReply {
   int32_t status_code;       // google.rpc.Code; 0 = bound, memfd attached

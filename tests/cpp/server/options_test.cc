@@ -33,6 +33,26 @@ TEST(OptionsTest, Defaults) {
   EXPECT_EQ(o.memory_trim_ms, 10000u);
 }
 
+TEST(OptionsTest, MetricsAddress) {
+  Options o;
+  bool help = false;
+  EXPECT_EQ(o.metrics_address, "127.0.0.1:9464");
+  EXPECT_FALSE(o.metrics_address_given);
+  for (const char* ok : {"127.0.0.1:9464", "0.0.0.0:1", "[::1]:65535", "localhost:9500", ""}) {
+    Options m;
+    ASSERT_TRUE(Parse({"--metrics-address", ok}, &m, &help).ok()) << ok;
+    EXPECT_EQ(m.metrics_address, ok);
+    EXPECT_TRUE(m.metrics_address_given);
+  }
+  for (const char* bad : {"9464", "127.0.0.1:", ":9464", "127.0.0.1:0", "127.0.0.1:65536", "::1:9464",
+                          "127.0.0.1:94a4", "127.0.0.1:123456"}) {
+    Options m;
+    Status s = Parse({"--metrics-address", bad}, &m, &help);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find(std::string("'") + bad + "'"), std::string::npos) << s.message();
+  }
+}
+
 TEST(OptionsTest, RingFlags) {
   Options o;
   bool help = false;

@@ -1209,6 +1209,16 @@ TEST_F(RingDaemonTest, OffersTheRingAndServesCallsThroughIt) {
     return stats.errors == 2;
   }));
   EXPECT_EQ(stats.calls, 1u);
+  // The per-op rows say these came through the ring (the undecodable one
+  // under the row of names the catalog does not hold).
+  uint64_t ring_calls = 0, ring_rejections = 0;
+  for (const OpStatsEntry& o : stats.ops) {
+    EXPECT_EQ(o.transport, CallTransport::kRing) << o.name;
+    ring_calls += o.calls;
+    ring_rejections += o.rejections;
+  }
+  EXPECT_EQ(ring_calls, 1u);
+  EXPECT_EQ(ring_rejections, 2u);
 
   // The same client without the ring: plain layout.
   Bound& plain = OpenAndBind(/*want_ring=*/false);

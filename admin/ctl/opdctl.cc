@@ -1,0 +1,578 @@
+#include "admin/ctl/opdctl.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iomanip>
+#include <ostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "cache_dit_opd/v1/opd.grpc.pb.h"
+#include "client/core/session_channel.h"
+#include "client/discovery.h"
+#include "common/gpu_uuid.h"
+#include "common/status.h"
+
+namespace cache_dit_opd::admin {
+
+namespace {
+
+namespace pb = ::google::protobuf;
+namespace v1 = ::cache_dit_opd::v1;
+using client::DaemonAddress;
+using client::DiscoveryEnv;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitNotServing = 3;
+
+constexpr char kUsage[] =
+    "usage: cache-dit-opdctl [--gpu INDEX|UUID | --address PATH] [--runtime-dir DIR] [--json]\n"
+    "                        [--timeout-ms MS] COMMAND\n"
+    "commands:\n"
+    "  status [--all] [--live]  version, GPU, health and why; exit 0 serving, 3 not serving\n"
+    "                           (0 with --live when it answers), 1 unreachable\n"
+    "  sessions                 every session: pid, uid, command, calls, errors, regions, lanes, idle\n"
+    "  stats                    counters, stage latencies, calls per op\n"
+    "  drain                    stop accepting sessions, finish in-flight calls, exit (root or the\n"
+    "                           daemon's uid)\n";
+
+struct Args {
+  std::string gpu;
+  std::string address;
+  std::string runtime_dir;
+  bool json = false;
+  int timeout_ms = 5000;
+  std::string command;
+  bool all = false;
+  bool live = false;
+};
+
+Status ParseArgs(int argc, const char* const* argv, Args* a, bool* help) {
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::string value;
+    const bool takes_value = flag == "--gpu" || flag == "--address" || flag == "--runtime-dir" || flag == "--timeout-ms";
+    if (const size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    } else if (takes_value) {
+      if (i + 1 >= argc) return Status::InvalidArgument(flag, ": missing value");
+      value = argv[++i];
+    }
+    if (flag == "-h" || flag == "--help") {
+      *help = true;
+    } else if (flag == "--gpu") {
+      a->gpu = value;
+    } else if (flag == "--address") {
+      a->address = value;
+    } else if (flag == "--runtime-dir") {
+      a->runtime_dir = value;
+    } else if (flag == "--timeout-ms") {
+      char* end = nullptr;
+      const long ms = std::strtol(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || ms < 1 || ms > 600000) {
+        return Status::InvalidArgument("--timeout-ms '", value, "': expected milliseconds in [1, 600000]");
+      }
+      a->timeout_ms = static_cast<int>(ms);
+    } else if (flag == "--json") {
+      a->json = true;
+    } else if (flag == "--all") {
+      a->all = true;
+    } else if (flag == "--live") {
+      a->live = true;
+    } else if (flag.rfind("-", 0) == 0) {
+      return Status::InvalidArgument("unknown flag '", flag, "'");
+    } else if (a->command.empty()) {
+      a->command = flag;
+    } else {
+      return Status::InvalidArgument("unexpected argument '", flag, "' after command '", a->command, "'");
+    }
+  }
+  if (*help) return Status::Ok();
+  static const std::set<std::string> kCommands{"status", "sessions", "stats", "drain"};
+  if (a->command.empty()) return Status::InvalidArgument("no command given");
+  if (!kCommands.count(a->command)) return Status::InvalidArgument("unknown command '", a->command, "'");
+  if ((a->all || a->live) && a->command != "status") {
+    return Status::InvalidArgument(a->all ? "--all" : "--live", " applies to status only");
+  }
+  if (!a->gpu.empty() && !a->address.empty()) return Status::InvalidArgument("give --gpu or --address, not both");
+  if (a->all && (!a->gpu.empty() || !a->address.empty())) {
+    return Status::InvalidArgument("--all reports every daemon: give no --gpu or --address with it");
+  }
+  return Status::Ok();
+}
+
+DiscoveryEnv Env(const Args& a) {
+  DiscoveryEnv env = DiscoveryEnv::FromEnvironment();
+  if (!a.runtime_dir.empty()) env.runtime_dir = a.runtime_dir;
+  return env;
+}
+
+// Every `<GPU-UUID>.sock` socket of the search directories, one per GPU
+// (the earlier directory wins, as in discovery).
+std::vector<DaemonAddress> AllDaemons(const DiscoveryEnv& env) {
+  std::vector<DaemonAddress> found;
+  std::set<std::string> uuids;
+  for (const std::string& dir : client::DaemonSearchDirs(env)) {
+    DIR* d = opendir(dir.c_str());
+    if (d == nullptr) continue;
+    std::vector<std::string> names;
+    while (dirent* e = readdir(d)) names.emplace_back(e->d_name);
+    closedir(d);
+    std::sort(names.begin(), names.end());
+    for (const std::string& name : names) {
+      constexpr std::string_view kSuffix = ".sock";
+      if (name.size() <= kSuffix.size() || name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0) {
+        continue;
+      }
+      const std::string uuid = name.substr(0, name.size() - kSuffix.size());
+      struct stat st{};
+      const std::string path = dir + "/" + name;
+      if (!IsGpuUuid(uuid) || uuids.count(uuid) || stat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+      uuids.insert(uuid);
+      found.push_back(DaemonAddress{"unix:" + path, path, dir});
+    }
+  }
+  return found;
+}
+
+Status Resolve(const Args& a, std::vector<DaemonAddress>* out) {
+  const DiscoveryEnv env = Env(a);
+  DaemonAddress addr;
+  if (!a.address.empty()) {
+    OPD_RETURN_IF_ERROR(client::AddressFromOverride(a.address, &addr));
+    out->push_back(addr);
+    return Status::Ok();
+  }
+  if (!a.gpu.empty()) {
+    std::string uuid = a.gpu;
+    if (!IsGpuUuid(uuid)) {
+      char* end = nullptr;
+      const long index = std::strtol(a.gpu.c_str(), &end, 10);
+      if (*end != '\0' || index < 0) {
+        return Status::InvalidArgument("--gpu '", a.gpu, "': expected a CUDA ordinal or a GPU-... UUID");
+      }
+      OPD_RETURN_IF_ERROR(client::DeviceUuid(static_cast<int>(index), &uuid));
+    }
+    OPD_RETURN_IF_ERROR(client::FindDaemon(uuid, env, &addr));
+    out->push_back(addr);
+    return Status::Ok();
+  }
+  if (!env.address.empty()) {
+    OPD_RETURN_IF_ERROR(client::AddressFromOverride(env.address, &addr));
+    out->push_back(addr);
+    return Status::Ok();
+  }
+  std::vector<DaemonAddress> all = AllDaemons(env);
+  if (a.all && !all.empty()) {
+    *out = std::move(all);
+    return Status::Ok();
+  }
+  std::string dirs;
+  for (const std::string& d : client::DaemonSearchDirs(env)) dirs += (dirs.empty() ? "" : ", ") + d;
+  if (all.empty()) return Status::NotFound("no daemon socket (GPU-*.sock) in ", dirs);
+  if (all.size() > 1) {
+    std::string list;
+    for (const DaemonAddress& d : all) list += "\n  " + d.socket_path;
+    return Status::InvalidArgument(all.size(), " daemons found; pass --gpu UUID (or --all with status):", list);
+  }
+  out->push_back(all[0]);
+  return Status::Ok();
+}
+
+Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return Status::Ok();
+  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
+}
+
+// A reply's fields by their proto names, numbers as JSON numbers (proto3's
+// own JSON mapping writes 64-bit integers as strings).
+pb::Value ToJson(const pb::Message& m);
+
+pb::Value FieldValue(const pb::Message& m, const pb::FieldDescriptor* f, int index) {
+  const pb::Reflection* r = m.GetReflection();
+  pb::Value v;
+  const bool rep = f->is_repeated();
+  switch (f->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_INT32:
+      v.set_number_value(rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_INT64:
+      v.set_number_value(static_cast<double>(rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f)));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_UINT32:
+      v.set_number_value(rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_UINT64:
+      v.set_number_value(static_cast<double>(rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f)));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+      v.set_number_value(rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      v.set_number_value(rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_BOOL:
+      v.set_bool_value(rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_ENUM:
+      v.set_string_value((rep ? r->GetRepeatedEnum(m, f, index) : r->GetEnum(m, f))->name());
+      break;
+    case pb::FieldDescriptor::CPPTYPE_STRING:
+      v.set_string_value(rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f));
+      break;
+    case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+      v = ToJson(rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f));
+      break;
+  }
+  return v;
+}
+
+pb::Value ToJson(const pb::Message& m) {
+  pb::Value out;
+  pb::Struct* s = out.mutable_struct_value();
+  const pb::Descriptor* d = m.GetDescriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const pb::FieldDescriptor* f = d->field(i);
+    pb::Value& v = (*s->mutable_fields())[f->name()];
+    if (f->is_repeated()) {
+      pb::ListValue* list = v.mutable_list_value();
+      for (int k = 0; k < m.GetReflection()->FieldSize(m, f); ++k) *list->add_values() = FieldValue(m, f, k);
+    } else {
+      v = FieldValue(m, f, 0);
+    }
+  }
+  return out;
+}
+
+pb::Value Str(const std::string& s) {
+  pb::Value v;
+  v.set_string_value(s);
+  return v;
+}
+
+pb::Value Bool(bool b) {
+  pb::Value v;
+  v.set_bool_value(b);
+  return v;
+}
+
+void PrintJson(const pb::Value& v, std::ostream& out) {
+  pb::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  std::string text;
+  (void)pb::util::MessageToJsonString(v, &text, o);
+  out << text;
+  if (text.empty() || text.back() != '\n') out << "\n";
+}
+
+std::string Bytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(u ? 1 : 0) << v << " " << units[u];
+  return s.str();
+}
+
+std::string Seconds(uint64_t ms) {
+  std::ostringstream s;
+  if (ms < 60000) {
+    s << std::fixed << std::setprecision(1) << static_cast<double>(ms) / 1000 << " s";
+  } else if (ms < 3600000) {
+    s << ms / 60000 << " min";
+  } else {
+    s << std::fixed << std::setprecision(1) << static_cast<double>(ms) / 3600000 << " h";
+  }
+  return s.str();
+}
+
+// Left-aligned columns, two spaces apart.
+void PrintTable(const std::vector<std::vector<std::string>>& rows, std::ostream& out) {
+  std::vector<size_t> width;
+  for (const auto& r : rows) {
+    width.resize(std::max(width.size(), r.size()));
+    for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
+  }
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 2, ' ');
+    }
+    out << line << "\n";
+  }
+}
+
+class Daemon {
+ public:
+  Daemon(const DaemonAddress& addr, int timeout_ms)
+      : addr_(addr),
+        timeout_ms_(timeout_ms),
+        stub_(v1::OperatorDaemon::NewStub(grpc::CreateChannel(addr.target, grpc::InsecureChannelCredentials()))) {}
+
+  Status Version(v1::VersionReply* out) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    return FromGrpc(stub_->GetVersion(&ctx, v1::VersionRequest{}, out), "GetVersion on " + addr_.target);
+  }
+  Status Stats(v1::StatsReply* out) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    return FromGrpc(stub_->GetStats(&ctx, v1::StatsRequest{}, out), "GetStats on " + addr_.target);
+  }
+  const DaemonAddress& address() const { return addr_; }
+  int timeout_ms() const { return timeout_ms_; }
+
+ private:
+  void Deadline(grpc::ClientContext* ctx) const {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms_));
+    ctx->set_wait_for_ready(false);
+  }
+  DaemonAddress addr_;
+  int timeout_ms_;
+  std::unique_ptr<v1::OperatorDaemon::Stub> stub_;
+};
+
+// ---- status -------------------------------------------------------------------
+
+struct StatusResult {
+  bool reachable = false;
+  std::string error;
+  v1::VersionReply version;
+  v1::StatsReply stats;
+};
+
+StatusResult QueryStatus(Daemon& d) {
+  StatusResult r;
+  Status s = d.Version(&r.version);
+  if (s.ok()) s = d.Stats(&r.stats);
+  r.reachable = s.ok();
+  if (!s.ok()) r.error = s.message();
+  return r;
+}
+
+pb::Value StatusJson(const DaemonAddress& addr, const StatusResult& r) {
+  pb::Value v;
+  auto& f = *v.mutable_struct_value()->mutable_fields();
+  f["address"] = Str(addr.target);
+  f["reachable"] = Bool(r.reachable);
+  if (!r.reachable) {
+    f["error"] = Str(r.error);
+    return v;
+  }
+  f["serving"] = Bool(r.version.serving());
+  f["health"] = Str(r.version.serving() ? "SERVING" : "NOT_SERVING");
+  f["health_reason"] = Str(v1::Reason_Name(r.version.health_reason()));
+  f["not_serving_reason"] = Str(r.version.not_serving_reason());
+  f["version"] = ToJson(r.version);
+  v1::StatsReply counts = r.stats;
+  counts.clear_session();
+  counts.clear_ops();
+  counts.clear_stages();
+  f["stats"] = ToJson(counts);
+  return v;
+}
+
+void PrintStatus(const DaemonAddress& addr, const StatusResult& r, std::ostream& out) {
+  if (!r.reachable) {
+    PrintTable({{"address", addr.target}, {"health", "UNREACHABLE: " + r.error}}, out);
+    return;
+  }
+  const v1::VersionReply& v = r.version;
+  const v1::StatsReply& s = r.stats;
+  std::string health = v.serving() ? "SERVING" : "NOT_SERVING (" + v1::Reason_Name(v.health_reason()) + ": " +
+                                                     v.not_serving_reason() + ")";
+  std::string gpu = v.gpu_uuid().empty() ? "none"
+                                         : v.gpu_uuid() + " " + v.gpu_name() + " (device " +
+                                               std::to_string(v.device_index()) + ")";
+  PrintTable({{"address", addr.target},
+              {"daemon", "cache-dit-opd " + v.daemon_version() + (v.git_commit().empty() ? "" : " (" + v.git_commit() + ")") +
+                             ", protocol " + std::to_string(v.protocol_version()) + ", pid " +
+                             std::to_string(v.daemon_pid()) + ", uid " + std::to_string(v.daemon_uid()) + ", up " +
+                             Seconds(v.uptime_ms())},
+              {"gpu", gpu},
+              {"runtime", "CUDA runtime " + std::to_string(v.cuda_runtime_version()) + ", driver " +
+                              std::to_string(v.cuda_driver_version()) + ", torch " + v.torch_version()},
+              {"health", health},
+              {"sessions", std::to_string(s.sessions()) + " open, " + std::to_string(s.sessions_closed()) +
+                               " closed; " + std::to_string(s.calls()) + " calls, " + std::to_string(s.errors()) +
+                               " rejected; " + std::to_string(s.regions()) + " regions (" + Bytes(s.mapped_bytes()) +
+                               ")"},
+              {"metrics", v.metrics_address().empty() ? "off" : "http://" + v.metrics_address() + "/metrics"}},
+             out);
+}
+
+int RunStatus(const Args& a, const std::vector<DaemonAddress>& daemons, std::ostream& out) {
+  int code = kExitOk;
+  pb::Value all;
+  pb::ListValue* list = all.mutable_list_value();
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    Daemon d(daemons[i], a.timeout_ms);
+    const StatusResult r = QueryStatus(d);
+    if (!r.reachable) {
+      code = kExitFailed;
+    } else if (!r.version.serving() && !a.live && code == kExitOk) {
+      code = kExitNotServing;
+    }
+    if (a.json) {
+      *list->add_values() = StatusJson(daemons[i], r);
+    } else {
+      if (i) out << "\n";
+      PrintStatus(daemons[i], r, out);
+    }
+  }
+  if (a.json) PrintJson(a.all ? all : list->values(0), out);
+  return code;
+}
+
+// ---- sessions, stats, drain -----------------------------------------------------
+
+int RunSessions(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
+  v1::StatsReply s;
+  if (Status st = d.Stats(&s); !st.ok()) {
+    err << "cache-dit-opdctl: " << st.message() << "\n";
+    return kExitFailed;
+  }
+  if (a.json) {
+    pb::Value v;
+    auto& f = *v.mutable_struct_value()->mutable_fields();
+    f["address"] = Str(d.address().target);
+    pb::Value list;
+    list.mutable_list_value();
+    for (const v1::SessionStats& e : s.session()) *list.mutable_list_value()->add_values() = ToJson(e);
+    f["sessions"] = list;
+    PrintJson(v, out);
+    return kExitOk;
+  }
+  std::vector<std::vector<std::string>> rows{
+      {"SESSION", "PID", "UID", "LANES", "RING", "CALLS", "ERRORS", "REGIONS", "MAPPED", "IDLE", "AGE", "COMMAND"}};
+  for (const v1::SessionStats& e : s.session()) {
+    std::string command = e.command().empty() ? e.client_name() : e.command();
+    if (command.size() > 60) command = command.substr(0, 57) + "...";
+    rows.push_back({std::to_string(e.session_id()), e.bound() ? std::to_string(e.client_pid()) : "unbound",
+                    e.bound() ? std::to_string(e.client_uid()) : "-", std::to_string(e.lanes()),
+                    e.ring_slots() ? std::to_string(e.ring_pending()) + "/" + std::to_string(e.ring_slots()) : "-",
+                    std::to_string(e.calls()), std::to_string(e.errors()), std::to_string(e.regions()),
+                    Bytes(e.mapped_bytes()), Seconds(e.idle_ms()), Seconds(e.age_ms()), command});
+  }
+  PrintTable(rows, out);
+  if (s.session().empty()) out << "(no session)\n";
+  return kExitOk;
+}
+
+std::string Micros(double us) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(us < 100 ? 1 : 0) << us;
+  return s.str();
+}
+
+int RunStats(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
+  v1::StatsReply s;
+  if (Status st = d.Stats(&s); !st.ok()) {
+    err << "cache-dit-opdctl: " << st.message() << "\n";
+    return kExitFailed;
+  }
+  if (a.json) {
+    pb::Value v;
+    auto& f = *v.mutable_struct_value()->mutable_fields();
+    f["address"] = Str(d.address().target);
+    s.clear_session();  // `sessions` reports those
+    f["stats"] = ToJson(s);
+    PrintJson(v, out);
+    return kExitOk;
+  }
+  out << s.calls() << " calls run, " << s.errors() << " rejected; " << s.sessions() << " sessions open, "
+      << s.sessions_closed() << " closed; " << s.regions() << " regions (" << Bytes(s.mapped_bytes()) << ")\n\n";
+  std::vector<std::vector<std::string>> stages{{"STAGE", "P50_US", "P99_US", "SAMPLES"}};
+  for (const v1::StageLatency& st : s.stages()) {
+    stages.push_back({st.name(), Micros(st.p50_us()), Micros(st.p99_us()), std::to_string(st.count())});
+  }
+  stages.push_back({"call", Micros(s.call_p50_us()), Micros(s.call_p99_us()), "-"});
+  PrintTable(stages, out);
+  out << "\n";
+  std::vector<std::vector<std::string>> ops{{"OP", "TRANSPORT", "CALLS", "REJECTED", "ACCEPT_US", "INPUTS_WAIT_US",
+                                             "RUN_US", "TOTAL_US"}};
+  for (const v1::OpStats& o : s.ops()) {
+    const std::string name = o.name().empty() ? "(not in the catalog)" : o.name() + (o.overload().empty() ? "" : "." + o.overload());
+    ops.push_back({name, o.transport(), std::to_string(o.calls()), std::to_string(o.rejections()),
+                   Micros(o.accept_mean_us()), Micros(o.inputs_wait_mean_us()), Micros(o.run_mean_us()),
+                   Micros(o.total_mean_us())});
+  }
+  PrintTable(ops, out);
+  if (s.ops().empty()) out << "(no call yet)\n";
+  return kExitOk;
+}
+
+int RunDrain(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
+  v1::VersionReply v;
+  Status s = d.Version(&v);
+  client::UniqueFd fd;
+  if (s.ok() && v.session_channel_path().empty()) {
+    s = Status::FailedPrecondition("the daemon at ", d.address().target, " does not say where its session channel is");
+  }
+  if (s.ok()) s = client::ConnectSessionChannel(v.session_channel_path(), &fd);
+  if (s.ok()) s = client::RequestDrain(fd.get(), d.timeout_ms());
+  if (a.json) {
+    pb::Value j;
+    auto& f = *j.mutable_struct_value()->mutable_fields();
+    f["address"] = Str(d.address().target);
+    f["draining"] = Bool(s.ok());
+    if (!s.ok()) {
+      f["error"] = Str(s.message());
+      f["reason"] = Str(ReasonName(s.reason()));
+    }
+    PrintJson(j, out);
+  } else if (s.ok()) {
+    out << "draining: the daemon (pid " << v.daemon_pid() << ") stops accepting sessions, finishes its calls and exits\n";
+  }
+  if (!s.ok()) {
+    err << "cache-dit-opdctl: drain: " << s.message() << "\n";
+    return kExitFailed;
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+int RunOpdctl(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  Args a;
+  bool help = false;
+  if (Status s = ParseArgs(argc, argv, &a, &help); !s.ok()) {
+    err << "cache-dit-opdctl: " << s.message() << "\n" << kUsage;
+    return kExitUsage;
+  }
+  if (help) {
+    out << kUsage;
+    return kExitOk;
+  }
+  std::vector<DaemonAddress> daemons;
+  if (Status s = Resolve(a, &daemons); !s.ok()) {
+    err << "cache-dit-opdctl: " << s.message() << "\n";
+    return s.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailed;
+  }
+  if (a.command == "status") return RunStatus(a, daemons, out);
+  Daemon d(daemons[0], a.timeout_ms);
+  if (a.command == "sessions") return RunSessions(a, d, out, err);
+  if (a.command == "stats") return RunStats(a, d, out, err);
+  return RunDrain(a, d, out, err);
+}
+
+}  // namespace cache_dit_opd::admin

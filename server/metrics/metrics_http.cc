@@ -1,0 +1,158 @@
+#include "server/metrics/metrics_http.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+namespace cache_dit_opd {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr size_t kMaxHead = 8192;
+
+struct Conn {
+  int fd = -1;
+  Clock::time_point deadline;
+  std::string in;   // the request head as read so far
+  std::string out;  // the response, once the head is complete
+  size_t written = 0;
+};
+
+std::string Response(int code, const char* status, const std::string& type, const std::string& body) {
+  return "HTTP/1.1 " + std::to_string(code) + " " + status + "\r\nContent-Type: " + type +
+         "\r\nContent-Length: " + std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+}
+
+// The response to a complete request head (what the contract in the header says).
+std::string Answer(const std::string& head, const std::function<std::string()>& render) {
+  const size_t line_end = head.find("\r\n");
+  const std::string line = head.substr(0, line_end);
+  const size_t sp1 = line.find(' ');
+  const size_t sp2 = sp1 == std::string::npos ? std::string::npos : line.find(' ', sp1 + 1);
+  if (sp2 == std::string::npos || line.compare(sp2 + 1, 5, "HTTP/") != 0) {
+    return Response(400, "Bad Request", "text/plain", "not an HTTP request\n");
+  }
+  const std::string method = line.substr(0, sp1);
+  std::string path = line.substr(sp1 + 1, sp2 - sp1 - 1);
+  path = path.substr(0, path.find('?'));
+  if (method != "GET") return Response(405, "Method Not Allowed", "text/plain", "only GET /metrics\n");
+  if (path != "/metrics") return Response(404, "Not Found", "text/plain", "the metrics are at /metrics\n");
+  return Response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", render());
+}
+
+}  // namespace
+
+MetricsHttpServer::MetricsHttpServer(std::function<std::string()> render) : render_(std::move(render)) {}
+
+MetricsHttpServer::~MetricsHttpServer() { Stop(); }
+
+Status MetricsHttpServer::Start(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return Status::Unavailable("metrics: cannot resolve ", address, ": ", gai_strerror(rc));
+  }
+  int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  const int one = 1;
+  int err = 0;
+  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 16) != 0) {
+    err = errno;
+  }
+  freeaddrinfo(res);
+  if (err != 0) {
+    if (fd >= 0) close(fd);
+    return Status::Unavailable("metrics: cannot listen on ", address, ": ", std::strerror(err));
+  }
+  listen_fd_ = fd;
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  thread_ = std::thread([this] { Loop(); });
+  return Status::Ok();
+}
+
+void MetricsHttpServer::Stop() {
+  if (thread_.joinable()) {
+    stop_.store(true, std::memory_order_release);
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+    thread_.join();
+  }
+  for (int* fd : {&listen_fd_, &wake_fd_}) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+  }
+}
+
+void MetricsHttpServer::Loop() {
+  std::vector<Conn> conns;
+  while (!stop_.load(std::memory_order_acquire)) {
+    std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    auto next_deadline = Clock::now() + std::chrono::seconds(1);
+    for (const Conn& c : conns) {
+      fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
+      next_deadline = std::min(next_deadline, c.deadline);
+    }
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_deadline - Clock::now()).count();
+    if (poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(wait, 0) + 1)) < 0 && errno != EINTR) break;
+    if (fds[1].revents & POLLIN) {
+      while (true) {
+        int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;  // EAGAIN, or out of descriptors: the next poll retries
+        if (conns.size() >= static_cast<size_t>(kMaxConnections)) {
+          close(fd);
+          continue;
+        }
+        conns.push_back(Conn{fd, Clock::now() + kIoDeadline, {}, {}, 0});
+      }
+    }
+    const auto now = Clock::now();
+    // fds[2 + i] is conns[i] as it was before this round's accepts.
+    for (size_t i = 0; i + 2 < fds.size(); ++i) {
+      Conn& c = conns[i];
+      bool done = false;
+      if (fds[i + 2].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+        done = true;
+      } else if (c.out.empty() && (fds[i + 2].revents & POLLIN)) {
+        char buf[2048];
+        const ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
+        if (n <= 0) {
+          done = n == 0 || (errno != EAGAIN && errno != EINTR);
+        } else {
+          c.in.append(buf, static_cast<size_t>(n));
+          if (c.in.find("\r\n\r\n") != std::string::npos) {
+            c.out = Answer(c.in, render_);
+          } else if (c.in.size() > kMaxHead) {
+            c.out = Response(431, "Request Header Fields Too Large", "text/plain", "request head over 8 KiB\n");
+          }
+        }
+      } else if (!c.out.empty() && (fds[i + 2].revents & POLLOUT)) {
+        const ssize_t n = send(c.fd, c.out.data() + c.written, c.out.size() - c.written, MSG_NOSIGNAL);
+        if (n > 0) c.written += static_cast<size_t>(n);
+        done = (n < 0 && errno != EAGAIN && errno != EINTR) || c.written == c.out.size();
+      }
+      if (done || now >= c.deadline) {
+        close(c.fd);
+        c.fd = -1;
+      }
+    }
+    std::erase_if(conns, [](const Conn& c) { return c.fd < 0; });
+  }
+  for (Conn& c : conns) close(c.fd);
+}
+
+}  // namespace cache_dit_opd

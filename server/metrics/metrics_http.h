@@ -1,0 +1,57 @@
+// File: server/metrics/metrics_http.h
+//
+// The HTTP endpoint of the metrics: `GET /metrics` on a TCP address, served
+// by one thread with poll(). Not prometheus-cpp's Exposer: civetweb as
+// Debian builds it (USE_STACK_SIZE=102400) starts its threads with 100 KiB
+// stacks, which cannot hold the static TLS libtorch brings into the daemon,
+// so its pthread_create fails (EINVAL; measured: "Cannot create threads").
+//
+// Contract:
+//   - `GET /metrics` (a query string is ignored) -> 200, the body `render()`
+//     returns, Content-Type text/plain; version=0.0.4; `GET` of another path
+//     -> 404; another method -> 405; a request that is not HTTP -> 400.
+//     Every response closes the connection.
+//   - Hostile peers: at most kMaxConnections at once (more are closed at
+//     accept), a request head of at most 8 KiB, and kIoDeadline from accept
+//     to the last byte written, after which the connection is dropped. A
+//     slow peer therefore delays other scrapes by at most kIoDeadline.
+//   - render() runs on the server's thread, one request at a time.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "common/status.h"
+
+namespace cache_dit_opd {
+
+class MetricsHttpServer {
+ public:
+  static constexpr int kMaxConnections = 8;
+  static constexpr std::chrono::milliseconds kIoDeadline{5000};
+
+  explicit MetricsHttpServer(std::function<std::string()> render);
+  ~MetricsHttpServer();
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  // Binds HOST:PORT (IPv4, or IPv6 in brackets) and starts the thread.
+  // UNAVAILABLE naming the address and the errno text on failure.
+  Status Start(const std::string& address);
+  // Joins the thread and closes every socket. Idempotent.
+  void Stop();
+
+ private:
+  void Loop();
+
+  const std::function<std::string()> render_;
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+};
+
+}  // namespace cache_dit_opd
