@@ -9,7 +9,7 @@
 # 3. ctest -LE gpu                GoogleTest suites that need no device
 # 4. pytest tests/kernels, tests/python, tests/bench, tests/deploy -m "not gpu" (one process each;
 #    tests/deploy: the Kubernetes manifests, validated offline)
-# 5. the C++ suites again under ASan+UBSan (tests/sanitizers/ubsan.supp)
+# 5. the C++ suites again under ASan+UBSan
 # 6. the concurrency suites under TSan (CACHE_DIT_SANITIZERS, default
 #    "asan,tsan", names the steps 5 and 6 that run; "none": neither)
 # 7. every fuzzer for 20 s (CACHE_DIT_FUZZ=none skips it)
@@ -108,9 +108,7 @@ if [[ ",$SANITIZERS," == *,asan,* ]] && [ "$BUILD_RC" -eq 0 ]; then
   if [ "$SAN_RC" -eq 0 ]; then
     say "== ctest under ASan+UBSan (label gpu and server.daemon_process excluded)"
     # protect_shadow_gap=0: the CUDA runtime maps memory where ASan's shadow gap would be.
-    # tests/sanitizers/ubsan.supp: spdlog's uninstrumented logger under descriptor exhaustion.
-    ASAN_OPTIONS="protect_shadow_gap=0:detect_leaks=1" \
-      UBSAN_OPTIONS="print_stacktrace=1:suppressions=$ROOT/tests/sanitizers/ubsan.supp" \
+    ASAN_OPTIONS="protect_shadow_gap=0:detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
       ctest --test-dir "$ASAN_DIR" --output-on-failure --no-tests=error -LE gpu -E '^server\.daemon_process$' \
       --output-junit "$RESULTS/ctest-asan.xml"
     SAN_RC=$?
