@@ -8,34 +8,10 @@
 #include <limits>
 #include <string_view>
 
+#include "common/flags.h"
+
 namespace cache_dit_opd {
 namespace {
-
-Status ParseUnsigned(std::string_view flag, const std::string& text, uint64_t lo, uint64_t hi,
-                     uint64_t* out) {
-  if (text.empty() || text[0] == '-' || text[0] == '+') {
-    return Status::InvalidArgument(flag, ": '", text, "' is not a non-negative integer");
-  }
-  errno = 0;
-  char* end = nullptr;
-  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (errno != 0 || end == text.c_str() || *end != '\0') {
-    return Status::InvalidArgument(flag, ": '", text, "' is not a non-negative integer");
-  }
-  if (v < lo || v > hi) {
-    return Status::InvalidArgument(flag, ": ", v, " is out of range [", lo, ", ", hi, "]");
-  }
-  *out = v;
-  return Status::Ok();
-}
-
-template <typename T>
-Status ParseInto(std::string_view flag, const std::string& text, uint64_t lo, uint64_t hi, T* out) {
-  uint64_t v = 0;
-  OPD_RETURN_IF_ERROR(ParseUnsigned(flag, text, lo, hi, &v));
-  *out = static_cast<T>(v);
-  return Status::Ok();
-}
 
 Status ParseGid(const std::string& text, gid_t* out) {
   uint64_t v = 0;
@@ -99,8 +75,9 @@ Status ParseByteSize(const std::string& text, uint64_t* out) {
 
 Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help) {
   *help = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
+  FlagArgs args(argc, argv);
+  while (args.Next()) {
+    const std::string& arg = args.arg();
     if (arg == "-h" || arg == "--help") {
       *help = true;
       continue;
@@ -108,24 +85,12 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     if (arg.rfind("--", 0) != 0) {
       return Status::InvalidArgument("unexpected argument '", arg, "' (flags start with --)");
     }
-    std::string flag = arg;
+    const std::string& flag = args.flag();
     std::string value;
-    bool has_value = false;
-    if (size_t eq = arg.find('='); eq != std::string::npos) {
-      flag = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-      has_value = true;
-    }
-    auto next = [&]() -> Status {
-      if (has_value) return Status::Ok();
-      if (i + 1 >= argc) return Status::InvalidArgument(flag, " needs a value");
-      value = argv[++i];
-      has_value = true;
-      return Status::Ok();
-    };
+    auto next = [&] { return args.Value(&value); };
     if (flag == "--device") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 1023, &opts->device));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 1023, &opts->device));
     } else if (flag == "--socket") {
       OPD_RETURN_IF_ERROR(next());
       if (value.empty()) return Status::InvalidArgument("--socket: empty path");
@@ -145,13 +110,13 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
       opts->log_level = value;
     } else if (flag == "--max-sessions") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 1u << 16, &opts->max_sessions));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 1u << 16, &opts->max_sessions));
     } else if (flag == "--max-lanes") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 1024, &opts->max_lanes));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 1024, &opts->max_lanes));
     } else if (flag == "--max-regions") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 1u << 20, &opts->max_regions));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 1u << 20, &opts->max_regions));
     } else if (flag == "--max-mapped-bytes") {
       OPD_RETURN_IF_ERROR(next());
       Status s = ParseByteSize(value, &opts->max_mapped_bytes);
@@ -168,36 +133,39 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
       opts->max_message_bytes = v;
     } else if (flag == "--drain-deadline-ms") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 3600000, &opts->drain_deadline_ms));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 3600000, &opts->drain_deadline_ms));
     } else if (flag == "--bind-timeout-ms") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 3600000, &opts->bind_timeout_ms));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 3600000, &opts->bind_timeout_ms));
     } else if (flag == "--allowed-gid") {
       OPD_RETURN_IF_ERROR(next());
       gid_t gid = 0;
       OPD_RETURN_IF_ERROR(ParseGid(value, &gid));
       opts->allowed_gid = gid;
     } else if (flag == "--ring" || flag == "--no-ring") {
-      if (has_value) return Status::InvalidArgument(flag, " takes no value (got '", value, "')");
+      if (args.has_inline_value()) {
+        OPD_RETURN_IF_ERROR(next());
+        return Status::InvalidArgument(flag, " takes no value (got '", value, "')");
+      }
       opts->ring = flag == "--ring";
     } else if (flag == "--ring-capacity") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 8, 1024, &opts->ring_capacity));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 8, 1024, &opts->ring_capacity));
       if ((opts->ring_capacity & (opts->ring_capacity - 1)) != 0) {
         return Status::InvalidArgument(flag, ": ", opts->ring_capacity, " is not a power of two");
       }
     } else if (flag == "--spin-us") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 100000, &opts->spin_us));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 100000, &opts->spin_us));
     } else if (flag == "--parking-slots") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 32, &opts->parking_slots));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 32, &opts->parking_slots));
     } else if (flag == "--park-deadline-ms") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 1, 3600000, &opts->park_deadline_ms));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 3600000, &opts->park_deadline_ms));
     } else if (flag == "--memory-trim-ms") {
       OPD_RETURN_IF_ERROR(next());
-      OPD_RETURN_IF_ERROR(ParseInto(flag, value, 0, 3600000, &opts->memory_trim_ms));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 3600000, &opts->memory_trim_ms));
     } else if (flag == "--metrics-address") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(CheckMetricsAddress(value));

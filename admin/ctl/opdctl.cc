@@ -21,6 +21,7 @@
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
 #include "client/core/session_channel.h"
 #include "client/discovery.h"
+#include "common/flags.h"
 #include "common/gpu_uuid.h"
 #include "common/status.h"
 
@@ -61,32 +62,21 @@ struct Args {
 };
 
 Status ParseArgs(int argc, const char* const* argv, Args* a, bool* help) {
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    std::string value;
-    const bool takes_value = flag == "--gpu" || flag == "--address" || flag == "--runtime-dir" || flag == "--timeout-ms";
-    if (const size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    } else if (takes_value) {
-      if (i + 1 >= argc) return Status::InvalidArgument(flag, ": missing value");
-      value = argv[++i];
-    }
+  FlagArgs args(argc, argv);
+  while (args.Next()) {
+    const std::string& flag = args.flag();
     if (flag == "-h" || flag == "--help") {
       *help = true;
     } else if (flag == "--gpu") {
-      a->gpu = value;
+      OPD_RETURN_IF_ERROR(args.Value(&a->gpu));
     } else if (flag == "--address") {
-      a->address = value;
+      OPD_RETURN_IF_ERROR(args.Value(&a->address));
     } else if (flag == "--runtime-dir") {
-      a->runtime_dir = value;
+      OPD_RETURN_IF_ERROR(args.Value(&a->runtime_dir));
     } else if (flag == "--timeout-ms") {
-      char* end = nullptr;
-      const long ms = std::strtol(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || ms < 1 || ms > 600000) {
-        return Status::InvalidArgument("--timeout-ms '", value, "': expected milliseconds in [1, 600000]");
-      }
-      a->timeout_ms = static_cast<int>(ms);
+      std::string value;
+      OPD_RETURN_IF_ERROR(args.Value(&value));
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 600000, &a->timeout_ms));
     } else if (flag == "--json") {
       a->json = true;
     } else if (flag == "--all") {

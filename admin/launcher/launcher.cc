@@ -22,6 +22,7 @@
 #include <optional>
 #include <sstream>
 
+#include "common/flags.h"
 #include "common/gpu_uuid.h"
 
 extern char** environ;
@@ -50,23 +51,6 @@ void Log(A&&... a) {
     if (n <= 0) return;  // stderr gone: nothing better to do with a log line
     off += static_cast<size_t>(n);
   }
-}
-
-Status ParseUnsigned(std::string_view flag, const std::string& text, uint64_t lo, uint64_t hi, uint32_t* out) {
-  if (text.empty() || text[0] == '-' || text[0] == '+') {
-    return Status::InvalidArgument(flag, ": '", text, "' is not a non-negative integer");
-  }
-  errno = 0;
-  char* end = nullptr;
-  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (errno != 0 || end == text.c_str() || *end != '\0') {
-    return Status::InvalidArgument(flag, ": '", text, "' is not a non-negative integer");
-  }
-  if (v < lo || v > hi) {
-    return Status::InvalidArgument(flag, ": ", v, " is out of range [", lo, ", ", hi, "]");
-  }
-  *out = static_cast<uint32_t>(v);
-  return Status::Ok();
 }
 
 std::string Lower(std::string_view s) {
@@ -448,13 +432,10 @@ Status ParseGpuList(std::string_view text, std::vector<std::string>* out) {
 
 Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* opts, bool* help) {
   *help = false;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
+  FlagArgs args(argc, argv);
+  while (args.Next()) {
+    const std::string& arg = args.arg();
+    if (arg == "--") break;
     if (arg == "-h" || arg == "--help") {
       *help = true;
       continue;
@@ -462,21 +443,9 @@ Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* 
     if (arg.rfind("--", 0) != 0) {
       return Status::InvalidArgument("unexpected argument '", arg, "' (flags start with --; daemon flags go after --)");
     }
-    std::string flag = arg;
+    const std::string& flag = args.flag();
     std::string value;
-    bool has_value = false;
-    if (size_t eq = arg.find('='); eq != std::string::npos) {
-      flag = arg.substr(0, eq);
-      value = arg.substr(eq + 1);
-      has_value = true;
-    }
-    auto next = [&]() -> Status {
-      if (has_value) return Status::Ok();
-      if (i + 1 >= argc) return Status::InvalidArgument(flag, " needs a value");
-      value = argv[++i];
-      has_value = true;
-      return Status::Ok();
-    };
+    auto next = [&] { return args.Value(&value); };
     if (flag == "--daemon") {
       OPD_RETURN_IF_ERROR(next());
       if (value.empty()) return Status::InvalidArgument("--daemon: empty path");
@@ -501,7 +470,7 @@ Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* 
       return Status::InvalidArgument("unknown flag '", flag, "' (daemon flags go after --)");
     }
   }
-  for (; i < argc; ++i) opts->daemon_flags.emplace_back(argv[i]);
+  while (args.Next()) opts->daemon_flags.push_back(args.arg());
 
   if (opts->backoff_initial_ms > opts->backoff_max_ms) {
     return Status::InvalidArgument("--backoff-initial-ms ", opts->backoff_initial_ms, " exceeds --backoff-max-ms ",
