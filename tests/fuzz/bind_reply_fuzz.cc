@@ -207,9 +207,4 @@ std::vector<std::string> Seeds() {
 }  // namespace
 }  // namespace cache_dit_opd
 
-OPD_FUZZ_SEEDS(cache_dit_opd::Seeds)
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  cache_dit_opd::Run(data, size);
-  return 0;
-}
+OPD_FUZZ_TARGET(cache_dit_opd::Seeds, cache_dit_opd::Run)

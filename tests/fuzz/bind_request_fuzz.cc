@@ -209,17 +209,16 @@ std::vector<std::string> Seeds() {
   return out;
 }
 
-}  // namespace
-}  // namespace cache_dit_opd
-
-OPD_FUZZ_SEEDS(cache_dit_opd::Seeds)
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+void RunQuiet(const uint8_t* data, size_t size) {
   static const bool quiet = [] {
     spdlog::set_level(spdlog::level::off);  // Open and Bind log every session
     return true;
   }();
   (void)quiet;
-  cache_dit_opd::Run(data, size);
-  return 0;
+  Run(data, size);
 }
+
+}  // namespace
+}  // namespace cache_dit_opd
+
+OPD_FUZZ_TARGET(cache_dit_opd::Seeds, cache_dit_opd::RunQuiet)

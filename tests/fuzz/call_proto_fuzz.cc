@@ -193,23 +193,23 @@ std::vector<std::string> Seeds() {
   return out;
 }
 
-}  // namespace
-}  // namespace cache_dit_opd
-
-OPD_FUZZ_SEEDS(cache_dit_opd::Seeds)
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+// One byte chooses the parser: protobuf (even) or the ring record (odd).
+void Run(const uint8_t* data, size_t size) {
   // Parsing refuses a string field that is not UTF-8, and logs each time.
   static const bool quiet = [] {
     google::protobuf::SetLogHandler(nullptr);
     return true;
   }();
   (void)quiet;
-  if (size == 0) return 0;
+  if (size == 0) return;
   if (data[0] % 2 == 0) {
-    cache_dit_opd::CheckProto(data + 1, size - 1);
+    CheckProto(data + 1, size - 1);
   } else {
-    cache_dit_opd::CheckRing(data + 1, size - 1);
+    CheckRing(data + 1, size - 1);
   }
-  return 0;
 }
+
+}  // namespace
+}  // namespace cache_dit_opd
+
+OPD_FUZZ_TARGET(cache_dit_opd::Seeds, cache_dit_opd::Run)

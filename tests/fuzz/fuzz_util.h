@@ -17,8 +17,9 @@
 //   MakeRecord(args, header)        one ring record: header + arguments, as
 //       the client's ring producer publishes it.
 //   Log(parts...)                   prints with OPD_FUZZ_VERBOSE=1 set.
-//   OPD_FUZZ_SEEDS(fn)              a `--write-seeds=DIR` mode: the binary
-//       writes the inputs `fn` returns (std::vector<std::string>) as
+//   OPD_FUZZ_TARGET(seeds, run)     the target's entry points: `run(data,
+//       size)` for each input, and a `--write-seeds=DIR` mode: the binary
+//       writes the inputs `seeds` returns (std::vector<std::string>) as
 //       DIR/seed-NN and exits, before libFuzzer starts. The committed
 //       corpora (tests/fuzz/corpus/<target>/) are made this way.
 #pragma once
@@ -235,11 +236,15 @@ void MaybeWriteSeeds(int argc, char** argv, Fn seeds) {
 
 }  // namespace cache_dit_opd::fuzz
 
-// In a target: OPD_FUZZ_SEEDS(MySeeds) defines LLVMFuzzerInitialize, which
-// libFuzzer calls with its argv before it parses its own flags (it ignores
-// flags that start with "--").
-#define OPD_FUZZ_SEEDS(fn)                                                  \
+// In a target: OPD_FUZZ_TARGET(MySeeds, MyRun) defines LLVMFuzzerInitialize,
+// which libFuzzer calls with its argv before it parses its own flags (it
+// ignores flags that start with "--"), and LLVMFuzzerTestOneInput.
+#define OPD_FUZZ_TARGET(seeds, run)                                         \
   extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {            \
-    ::cache_dit_opd::fuzz::MaybeWriteSeeds(*argc, *argv, fn);               \
+    ::cache_dit_opd::fuzz::MaybeWriteSeeds(*argc, *argv, seeds);            \
+    return 0;                                                               \
+  }                                                                         \
+  extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { \
+    run(data, size);                                                        \
     return 0;                                                               \
   }
