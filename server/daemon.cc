@@ -277,16 +277,18 @@ Status Daemon::Snapshot(uint64_t session_id, std::string_view token, bool latenc
   out->calls = stats_.calls.load();
   out->errors = stats_.errors.load();
   out->sessions_closed = stats_.sessions_closed.load();
-  if (latency) stats_.call_latency_us.Percentiles(&out->call_p50_us, &out->call_p99_us);
-  for (const auto& [name, reservoir] : {std::pair<const char*, const LatencyReservoir*>{"accept", &stats_.accept_us},
-                                        {"inputs_wait", &stats_.inputs_wait_us},
-                                        {"run", &stats_.run_us}}) {
-    if (!latency) break;
-    StatsSnapshot::Stage stage{name};
-    stage.count = reservoir->recorded();
-    if (stage.count == 0) continue;
-    reservoir->Percentiles(&stage.p50_us, &stage.p99_us);
-    out->stages.push_back(std::move(stage));
+  if (latency) {
+    stats_.call_latency_us.Percentiles(&out->call_p50_us, &out->call_p99_us);
+    for (const auto& [name, reservoir] :
+         {std::pair<const char*, const LatencyReservoir*>{"accept", &stats_.accept_us},
+          {"inputs_wait", &stats_.inputs_wait_us},
+          {"run", &stats_.run_us}}) {
+      StatsSnapshot::Stage stage{name};
+      stage.count = reservoir->recorded();
+      if (stage.count == 0) continue;
+      reservoir->Percentiles(&stage.p50_us, &stage.p99_us);
+      out->stages.push_back(std::move(stage));
+    }
   }
   for (const auto& s : all) {
     RegionCounts c = s->regions().counts();
@@ -318,8 +320,9 @@ Status Daemon::Snapshot(uint64_t session_id, std::string_view token, bool latenc
     e.idle_ms = last > 0 ? static_cast<uint64_t>(std::max<int64_t>(now_ns - last, 0) / 1000000) : e.age_ms;
     out->sessions_detail.push_back(std::move(e));
   }
+  if (!latency) return Status::Ok();
   const CallMetrics& m = stats_.per_op;
-  for (size_t row = 0; latency && row < m.rows(); ++row) {
+  for (size_t row = 0; row < m.rows(); ++row) {
     for (CallTransport t : {CallTransport::kGrpc, CallTransport::kRing}) {
       const OpCallCounters& c = m.counters(row, t);
       OpStatsEntry e{m.op(row).name, m.op(row).overload, t};

@@ -273,9 +273,10 @@ void Executor::Finish(LaneQueue& q, Item& item, Status status) {
     status = fatal_status_;
   }
   (status.ok() ? q.session->calls : q.session->errors).fetch_add(1, std::memory_order_relaxed);
-  q.session->last_call_ns.store(SteadyNanos(Clock::now()), std::memory_order_relaxed);
+  const Clock::time_point finished = Clock::now();
+  q.session->last_call_ns.store(SteadyNanos(finished), std::memory_order_relaxed);
   Count(item, status);
-  Observe(item, CallStage::kTotal, Clock::now() - item.received);
+  Observe(item, CallStage::kTotal, finished - item.received);
   item.prepared.reset();
   Completion done = std::move(item.done);
   {

@@ -9,7 +9,6 @@
 #include <utility>
 #include <vector>
 
-#include <prometheus/collectable.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
 
@@ -97,11 +96,11 @@ double CpuSeconds() {
 
 }  // namespace
 
-class MetricsExporter::Collector final : public prometheus::Collectable {
+class MetricsExporter::Collector {
  public:
   explicit Collector(const Daemon* daemon) : daemon_(daemon), start_seconds_(ProcessStartSeconds()) {}
 
-  std::vector<MetricFamily> Collect() const override {
+  std::vector<MetricFamily> Collect() const {
     std::vector<MetricFamily> out;
     const VersionInfo v = daemon_->Version();
     const DaemonInfo& i = v.info;
@@ -214,7 +213,7 @@ class MetricsExporter::Collector final : public prometheus::Collectable {
 };
 
 MetricsExporter::MetricsExporter(const Daemon* daemon)
-    : collector_(std::make_shared<Collector>(daemon)), http_([this] { return Render(); }) {}
+    : collector_(std::make_unique<Collector>(daemon)), http_([this] { return Render(); }) {}
 
 MetricsExporter::~MetricsExporter() { Stop(); }
 

@@ -1,8 +1,8 @@
 // File: server/metrics/metrics_exporter.h
 //
 // Prometheus metrics of one daemon at http://<--metrics-address>/metrics
-// (server/metrics/metrics_http.h serves them; prometheus-cpp's collectable
-// and text serializer write them). Everything is read at
+// (server/metrics/metrics_http.h serves them; prometheus-cpp's metric
+// families and text serializer write them). Everything is read at
 // scrape time from what the daemon keeps anyway; nothing is pushed on the
 // call path beyond the per-op table's relaxed atomic adds
 // (server/exec/call_metrics.h).
@@ -67,7 +67,7 @@ class MetricsExporter {
 
  private:
   class Collector;
-  std::shared_ptr<Collector> collector_;
+  std::unique_ptr<Collector> collector_;
   MetricsHttpServer http_;
   std::string address_;
 };
