@@ -101,7 +101,10 @@ void MetricsHttpServer::Stop() {
 void MetricsHttpServer::Loop() {
   std::vector<Conn> conns;
   while (!stop_.load(std::memory_order_acquire)) {
-    std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    // The listening socket is polled only while a slot is free: a peer past
+    // the cap waits in the listen backlog instead of being reset.
+    const bool room = conns.size() < static_cast<size_t>(kMaxConnections);
+    std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}, {listen_fd_, static_cast<short>(room ? POLLIN : 0), 0}};
     auto next_deadline = Clock::now() + std::chrono::seconds(1);
     for (const Conn& c : conns) {
       fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
@@ -109,25 +112,15 @@ void MetricsHttpServer::Loop() {
     }
     const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_deadline - Clock::now()).count();
     if (poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(wait, 0) + 1)) < 0 && errno != EINTR) break;
-    if (fds[1].revents & POLLIN) {
-      while (true) {
-        int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd < 0) break;  // EAGAIN, or out of descriptors: the next poll retries
-        if (conns.size() >= static_cast<size_t>(kMaxConnections)) {
-          close(fd);
-          continue;
-        }
-        conns.push_back(Conn{fd, Clock::now() + kIoDeadline, {}, {}, 0});
-      }
-    }
     const auto now = Clock::now();
-    // fds[2 + i] is conns[i] as it was before this round's accepts.
-    for (size_t i = 0; i + 2 < fds.size(); ++i) {
+    // Connections first, so that slots they free this round take new ones.
+    for (size_t i = 0; i < conns.size(); ++i) {
       Conn& c = conns[i];
+      const short revents = fds[i + 2].revents;
       bool done = false;
-      if (fds[i + 2].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+      if (revents & (POLLERR | POLLHUP | POLLNVAL)) {
         done = true;
-      } else if (c.out.empty() && (fds[i + 2].revents & POLLIN)) {
+      } else if (c.out.empty() && (revents & POLLIN)) {
         char buf[2048];
         const ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
         if (n <= 0) {
@@ -140,7 +133,7 @@ void MetricsHttpServer::Loop() {
             c.out = Response(431, "Request Header Fields Too Large", "text/plain", "request head over 8 KiB\n");
           }
         }
-      } else if (!c.out.empty() && (fds[i + 2].revents & POLLOUT)) {
+      } else if (!c.out.empty() && (revents & POLLOUT)) {
         const ssize_t n = send(c.fd, c.out.data() + c.written, c.out.size() - c.written, MSG_NOSIGNAL);
         if (n > 0) c.written += static_cast<size_t>(n);
         done = (n < 0 && errno != EAGAIN && errno != EINTR) || c.written == c.out.size();
@@ -151,6 +144,13 @@ void MetricsHttpServer::Loop() {
       }
     }
     std::erase_if(conns, [](const Conn& c) { return c.fd < 0; });
+    if (fds[1].revents & POLLIN) {
+      while (conns.size() < static_cast<size_t>(kMaxConnections)) {
+        int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;  // EAGAIN, or out of descriptors: the next poll retries
+        conns.push_back(Conn{fd, Clock::now() + kIoDeadline, {}, {}, 0});
+      }
+    }
   }
   for (Conn& c : conns) close(c.fd);
 }

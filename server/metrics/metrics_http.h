@@ -11,10 +11,11 @@
 //     returns, Content-Type text/plain; version=0.0.4; `GET` of another path
 //     -> 404; another method -> 405; a request that is not HTTP -> 400.
 //     Every response closes the connection.
-//   - Hostile peers: at most kMaxConnections at once (more are closed at
-//     accept), a request head of at most 8 KiB, and kIoDeadline from accept
-//     to the last byte written, after which the connection is dropped. A
-//     slow peer therefore delays other scrapes by at most kIoDeadline.
+//   - Hostile peers: at most kMaxConnections at once (more wait in the
+//     listen backlog of 16 until a slot frees), a request head of at most
+//     8 KiB, and kIoDeadline from accept to the last byte written, after
+//     which the connection is dropped. Peers holding every slot therefore
+//     delay a scrape by at most kIoDeadline.
 //   - render() runs on the server's thread, one request at a time.
 #pragma once
 
