@@ -1,7 +1,6 @@
 #include "server/session/session_manager.h"
 
 #include <gtest/gtest.h>
-#include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -562,11 +561,17 @@ double ProcessCpuSeconds() {
 }
 
 TEST_F(SessionManagerTest, AcceptOutOfDescriptorsNeitherSpinsNorStopsServing) {
+#if defined(CACHE_DIT_UBSAN)
+  // UBSan checks an object's dynamic type by reading its vtable through a
+  // pipe (sanitizer_common IsAccessibleMemoryRange). Out of descriptors, no
+  // pipe can be made and the spdlog/fmt objects the channel thread logs with
+  // (uninstrumented libraries) are reported as having an invalid vptr;
+  // priming UBSan's type cache first still failed under --gtest_repeat, and
+  // suppressions do not apply to -fno-sanitize-recover checks. The plain and
+  // TSan builds run this test.
+  GTEST_SKIP() << "UBSan's vptr check needs file descriptors, which this test exhausts";
+#endif
   Init(PeerPolicy::ForThisProcess(std::nullopt));
-  // UBSan's first type check of the logger (spdlog, uninstrumented) probes
-  // its vtable through a pipe, which fails once descriptors are exhausted
-  // and is then reported as an invalid vptr: check it now, while it can.
-  spdlog::info("accept test: lowering RLIMIT_NOFILE");
   rlimit old{};
   ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
   // Lower the limit to a little above what is open, fill it, free one slot
