@@ -24,8 +24,14 @@ int64_t SteadyNanos(Clock::time_point t) {
 }
 }  // namespace
 
-void Executor::Count(const Item& item, const Status& outcome) {
-  if (stats_) stats_->Count(item.row, item.req.transport, outcome);
+void Executor::Record(Item& item, const Status& outcome, Clock::time_point at) {
+  if (item.recorded) return;
+  item.recorded = true;
+  (outcome.ok() ? item.session->calls : item.session->errors).fetch_add(1, std::memory_order_relaxed);
+  item.session->last_call_ns.store(SteadyNanos(at), std::memory_order_relaxed);
+  if (!stats_) return;
+  stats_->Count(item.row, item.req.transport, outcome);
+  stats_->Observe(item.row, item.req.transport, CallStage::kTotal, at - item.received);
 }
 
 void Executor::Observe(const Item& item, CallStage stage, Clock::duration d) {
@@ -115,8 +121,7 @@ void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, 
   if (stats_) item.row = stats_->per_op.Row(item.req.op, item.req.overload);
   Status reject = Enqueue(session, item);
   if (!reject.ok()) {
-    session->errors.fetch_add(1, std::memory_order_relaxed);
-    Count(item, reject);
+    Record(item, reject, Clock::now());
     item.done(reject);
   }
 }
@@ -128,16 +133,15 @@ void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t 
   req.op = "(rejected by its transport)";
   req.lane = lane;
   req.seq = seq;
-  // Answered now, on this thread: the verdict is already known. Queued as
-  // answered, so at its turn Finish only writes "done" and counts the error.
+  // Answered (and recorded) now, on this thread: the verdict is already
+  // known. Queued as answered, so at its turn Finish only writes "done".
   req.transport = CallTransport::kRing;  // the one transport whose records can be undecodable
   Item item{session, std::move(req), [](const Status&) {}, Clock::now(), Clock::now(), nullptr, reason, true, true};
   if (stats_) item.row = stats_->per_op.other_row();
-  Status reject = Enqueue(session, item);
-  if (!reject.ok()) {
-    session->errors.fetch_add(1, std::memory_order_relaxed);
-    Count(item, reject);
-  }
+  // Its client reads `reason` whether or not the lane takes the seq; when it
+  // does not, there is no "done" to write.
+  Record(item, reason, item.received);
+  static_cast<void>(Enqueue(session, item));
   done(reason);
 }
 
@@ -272,11 +276,7 @@ void Executor::Finish(LaneQueue& q, Item& item, Status status) {
     std::lock_guard<std::mutex> lock(mu_);
     status = fatal_status_;
   }
-  (status.ok() ? q.session->calls : q.session->errors).fetch_add(1, std::memory_order_relaxed);
-  const Clock::time_point finished = Clock::now();
-  q.session->last_call_ns.store(SteadyNanos(finished), std::memory_order_relaxed);
-  Count(item, status);
-  Observe(item, CallStage::kTotal, finished - item.received);
+  Record(item, status, Clock::now());
   item.prepared.reset();
   Completion done = std::move(item.done);
   {
@@ -306,6 +306,7 @@ void Executor::Accept(LaneQueue& q, Item& item) {
   Observe(item, CallStage::kAccept, item.answered_at - item.received);
   // A host-ordered call that passed is answered once it has run (Answer()).
   if (item.req.host_ordered && s.ok()) return;
+  if (!s.ok()) Record(item, s, item.answered_at);
   item.answered = true;
   Completion done = item.done;
   done(s);
@@ -502,8 +503,7 @@ void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reaso
     size_t dropped = q.items.size();
     for (Item& item : q.items) {
       item.prepared.reset();
-      q.session->errors.fetch_add(1, std::memory_order_relaxed);
-      Count(item, reason);
+      Record(item, reason, Clock::now());
       if (!item.answered) item.done(reason);
     }
     {

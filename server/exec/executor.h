@@ -203,6 +203,7 @@ class Executor {
     Status verdict;        // validation outcome; a rejected call only writes "done"
     bool validated = false;  // Accept has run
     bool answered = false;   // `done` has run
+    bool recorded = false;   // Record has run
     size_t row = 0;          // the op's row of DaemonStats::per_op
   };
   // A host-ordered call that ran, answered once its lane stream passed it.
@@ -269,8 +270,11 @@ class Executor {
   DeviceOps* const device_;
   CallRunner* const runner_;
   DaemonStats* const stats_;
-  // stats_->Count / Observe for `item`, when there are stats.
-  void Count(const Item& item, const Status& outcome);
+  // Once per call, before the answer that ends it (a rejection is counted by
+  // the time its client reads it): the session's calls/errors and last call,
+  // stats_->Count, and the total latency up to `at`.
+  void Record(Item& item, const Status& outcome, std::chrono::steady_clock::time_point at);
+  // stats_->Observe for `item`, when there are stats.
   void Observe(const Item& item, CallStage stage, std::chrono::steady_clock::duration d);
   const ExecutorOptions options_;
   const FatalHook on_fatal_;

@@ -220,6 +220,48 @@ TEST_F(ExecutorTest, RejectedHeadDoesNotWaitForInputs) {
   EXPECT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 1; }, 2000ms));
 }
 
+// A client that reads its rejection and then scrapes /metrics (or asks
+// GetStats) must find it counted: the answer comes at acceptance, while the
+// lane's "done" for it is written only at its turn. Seq 1 waits for inputs
+// that never come, so seq 2's turn has not come when it is answered.
+TEST_F(ExecutorTest, ARejectionIsCountedBeforeItsAnswer) {
+  auto s = NewSession(1);
+  const size_t row = stats_.per_op.other_row();
+  auto rejections = [&] {
+    uint64_t n = 0;
+    for (const auto& r : stats_.per_op.counters(row, CallTransport::kGrpc).rejections) n += r.load();
+    return n;
+  };
+  std::mutex mu;
+  std::vector<std::array<uint64_t, 4>> seen;  // {rejections, daemon errors, session errors, total observations}
+  Results r;
+  executor_->Submit(s, Req(0, 1), r.Slot(1));
+  executor_->Submit(s, Req(0, 2, "reject"), [&, slot = r.Slot(2)](const Status& st) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      seen.push_back({rejections(), stats_.errors.load(), s->errors.load(),
+                      stats_.per_op.counters(row, CallTransport::kGrpc)
+                          .stages[static_cast<size_t>(CallStage::kTotal)]
+                          .Read()
+                          .count});
+    }
+    slot(st);
+  });
+  ASSERT_TRUE(r.Wait(2));
+  EXPECT_EQ(r.Get(2).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->memory().Done(0), 0u);  // seq 2's turn has not come
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_EQ(seen.size(), 1u);
+    EXPECT_EQ(seen[0], (std::array<uint64_t, 4>{1, 1, 1, 1}));
+  }
+  SetInputsReady(*s, 0, 2);
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 2; }));
+  EXPECT_EQ(rejections(), 1u);  // counted once, not again at its turn
+  EXPECT_EQ(stats_.errors.load(), 1u);
+  EXPECT_EQ(s->errors.load(), 1u);
+}
+
 TEST_F(ExecutorTest, StalledLaneBlocksNoOtherLaneOrSession) {
   auto a = NewSession(2);
   auto b = NewSession(1);
