@@ -2,7 +2,9 @@
 // enumeration, the backoff policy, and the one-thread loop over a signalfd.
 #include "admin/launcher/launcher.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -63,6 +65,13 @@ std::string_view Trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\r')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) s.remove_suffix(1);
   return s;
+}
+
+// The HOST of HOST:PORT: CheckMetricsHost lets ':' through only in an IPv6
+// address, which needs brackets there (the daemon's CheckMetricsAddress
+// splits at the last ':').
+std::string AddressHost(const std::string& host) {
+  return host.find(':') == std::string::npos ? host : "[" + host + "]";
 }
 
 // "--socket" for "--socket" and "--socket=...".
@@ -430,8 +439,46 @@ Status ParseGpuList(std::string_view text, std::vector<std::string>* out) {
   }
 }
 
+Status CheckMetricsHost(std::string_view host) {
+  if (host.empty()) {
+    return Status::InvalidArgument("--metrics-host '': empty host (give an address the daemons can bind: "
+                                   "the pod IP, 0.0.0.0, 127.0.0.1)");
+  }
+  for (char c : host) {
+    if (std::isspace(static_cast<unsigned char>(c)) || std::iscntrl(static_cast<unsigned char>(c))) {
+      return Status::InvalidArgument("--metrics-host '", host, "': holds a space or a control character");
+    }
+  }
+  // One IPv6 form only: bare, because the downward API's status.podIP is
+  // bare on an IPv6 cluster and Kubernetes cannot add brackets to $(POD_IP)
+  // for one family only.
+  if (host.find_first_of("[]") != std::string_view::npos) {
+    return Status::InvalidArgument("--metrics-host '", host, "': give an IPv6 address without brackets ",
+                                   "(the launcher adds them: --metrics-host ::1 -> [::1]:<port>)");
+  }
+  if (host.find(':') != std::string_view::npos) {
+    in6_addr addr;
+    if (::inet_pton(AF_INET6, std::string(host).c_str(), &addr) != 1) {
+      return Status::InvalidArgument("--metrics-host '", host, "': ':' is allowed only in an IPv6 address ",
+                                     "(the port of GPU i is --metrics-port-base + i)");
+    }
+    return Status::Ok();
+  }
+  // A leading '-' is no host name (RFC 1123); it is usually the next flag,
+  // taken as the value of a --metrics-host given none.
+  const bool chars_ok = std::all_of(host.begin(), host.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_';
+  });
+  if (!chars_ok || host.front() == '-') {
+    return Status::InvalidArgument("--metrics-host '", host, "': not a host name or IP address (letters, digits, ",
+                                   "'.', '-', '_', not starting with '-'; or an IPv6 address)");
+  }
+  return Status::Ok();
+}
+
 Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* opts, bool* help) {
   *help = false;
+  bool metrics_host_given = false;
   FlagArgs args(argc, argv);
   while (args.Next()) {
     const std::string& arg = args.arg();
@@ -453,6 +500,11 @@ Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* 
     } else if (flag == "--gpus") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseGpuList(value, &opts->gpus));
+    } else if (flag == "--metrics-host") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(CheckMetricsHost(value));
+      opts->metrics_host = value;
+      metrics_host_given = true;
     } else if (flag == "--metrics-port-base") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 65535, &opts->metrics_port_base));
@@ -476,6 +528,14 @@ Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* 
     return Status::InvalidArgument("--backoff-initial-ms ", opts->backoff_initial_ms, " exceeds --backoff-max-ms ",
                                    opts->backoff_max_ms);
   }
+  // Checked after the loop: the two flags may come in either order. An
+  // explicit host that silently went nowhere would leave the operator
+  // believing the daemons listen on it.
+  if (metrics_host_given && opts->metrics_port_base == 0) {
+    return Status::InvalidArgument("--metrics-host '", opts->metrics_host,
+                                   "' with --metrics-port-base 0: the launcher then passes no --metrics-address, "
+                                   "so there is no address to give the host to (drop one of the two)");
+  }
   for (const std::string& f : opts->daemon_flags) {
     const std::string name = FlagName(f);
     if (name == "--device") {
@@ -487,8 +547,8 @@ Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* 
                                      "each binds <runtime dir>/<GPU-UUID>.sock (choose the dir with --runtime-dir)");
     }
     if (name == "--metrics-address" && opts->metrics_port_base != 0) {
-      return Status::InvalidArgument("daemon flag '", f, "': the launcher gives GPU i 127.0.0.1:<base+i> "
-                                     "(--metrics-port-base ", opts->metrics_port_base,
+      return Status::InvalidArgument("daemon flag '", f, "': the launcher gives GPU i ", AddressHost(opts->metrics_host),
+                                     ":<base+i> (--metrics-port-base ", opts->metrics_port_base,
                                      "); pass --metrics-port-base 0 to set it yourself");
     }
   }
@@ -508,7 +568,7 @@ std::vector<std::string> DaemonArgs(const LauncherOptions& opts, size_t index) {
   std::vector<std::string> args = {"--device", "0"};
   if (opts.metrics_port_base != 0) {
     args.push_back("--metrics-address");
-    args.push_back("127.0.0.1:" + std::to_string(opts.metrics_port_base + index));
+    args.push_back(AddressHost(opts.metrics_host) + ":" + std::to_string(opts.metrics_port_base + index));
   }
   args.insert(args.end(), opts.daemon_flags.begin(), opts.daemon_flags.end());
   return args;
@@ -629,8 +689,9 @@ int RunLauncher(const LauncherOptions& opts, const std::string& daemon_path) {
 // ---- help -------------------------------------------------------------------
 
 std::string LauncherUsage() {
-  return "usage: cache-dit-opd-launcher [--daemon PATH] [--gpus UUID[,UUID...]] [--metrics-port-base N]\n"
-         "                              [--backoff-initial-ms MS] [--backoff-max-ms MS] [--stable-ms MS]\n"
+  return "usage: cache-dit-opd-launcher [--daemon PATH] [--gpus UUID[,UUID...]] [--metrics-host HOST]\n"
+         "                              [--metrics-port-base N] [--backoff-initial-ms MS]\n"
+         "                              [--backoff-max-ms MS] [--stable-ms MS]\n"
          "                              [-- DAEMON FLAGS...] ; see --help\n";
 }
 
@@ -652,7 +713,13 @@ std::string LauncherHelp() {
          "  --gpus UUID[,UUID...]    The GPUs to serve, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx\n"
          "                           (repeatable). Default: every GPU that\n"
          "                           `nvidia-smi --query-gpu=uuid --format=csv,noheader` lists.\n"
-         "  --metrics-port-base N    GPU i's daemon gets --metrics-address 127.0.0.1:<N+i>\n"
+         "  --metrics-host HOST      The host of every daemon's --metrics-address (default\n"
+         "                           127.0.0.1, reachable only from this host or pod). A host name,\n"
+         "                           an IPv4 address, or an IPv6 address WITHOUT brackets (the\n"
+         "                           launcher adds them: fd00::5 -> [fd00::5]:<N+i>; [fd00::5] is\n"
+         "                           refused). In Kubernetes: --metrics-host=$(POD_IP). Not with\n"
+         "                           --metrics-port-base 0.\n"
+         "  --metrics-port-base N    GPU i's daemon gets --metrics-address HOST:<N+i>\n"
          "                           (default 9464; 0: no --metrics-address, the daemon's default).\n"
          "  --backoff-initial-ms MS  Delay before restarting a failed daemon (default 500, >= 1);\n"
          "                           doubled for each consecutive failure...\n"

@@ -7,9 +7,12 @@
 //   - GPU i of the list (--gpus, else every GPU nvidia-smi lists) gets a
 //     daemon with CUDA_VISIBLE_DEVICES=<its UUID> (so inside it the GPU is
 //     device 0: the UUID, not an ordinal, is what survives reordering) and
-//     the arguments `--device 0 [--metrics-address 127.0.0.1:<base+i>]
-//     <daemon flags after -->`. Its sockets are then <runtime dir>/<UUID>.sock
-//     and <UUID>.session.sock, the names clients look for.
+//     the arguments `--device 0 [--metrics-address HOST:<base+i>]
+//     <daemon flags after -->`, HOST being --metrics-host (default
+//     127.0.0.1; an IPv6 address is given bare and bracketed by the
+//     launcher: `--metrics-host fd00::5` -> [fd00::5]:<base+i>). Its sockets
+//     are then <runtime dir>/<UUID>.sock and <UUID>.session.sock, the names
+//     clients look for.
 //   - a daemon that exits 0 has drained on purpose and is not restarted; one
 //     that exits non-zero or dies of a signal is restarted after a backoff
 //     (Backoff below).
@@ -53,7 +56,8 @@ inline constexpr int kExitUsage = 2;
 struct LauncherOptions {
   std::string daemon;                  // --daemon: the daemon binary; "" = ResolveDaemonBinary's default
   std::vector<std::string> gpus;       // --gpus: GPU UUIDs, in order; empty = EnumerateGpus
-  uint32_t metrics_port_base = 9464;   // --metrics-port-base: GPU i gets 127.0.0.1:<base+i>; 0 = no flag
+  std::string metrics_host = "127.0.0.1";  // --metrics-host: as given (IPv6 bare; DaemonArgs brackets it)
+  uint32_t metrics_port_base = 9464;   // --metrics-port-base: GPU i gets <metrics_host>:<base+i>; 0 = no flag
   uint32_t backoff_initial_ms = 500;   // --backoff-initial-ms: delay before the first restart
   uint32_t backoff_max_ms = 30000;     // --backoff-max-ms: the doubling stops here
   uint32_t stable_ms = 60000;          // --stable-ms: an uptime this long resets the failure count
@@ -65,10 +69,11 @@ struct LauncherOptions {
 // Accepts `--flag value` and `--flag=value`; everything after `--` is a
 // daemon flag. Sets `*help` for -h/--help. INVALID_ARGUMENT naming the flag
 // and the value on an unknown flag, a missing or malformed value, a value out
-// of range, a --gpus entry that is not a GPU UUID (or named twice), or a
-// daemon flag the launcher sets itself (--device, --socket: every daemon
-// would claim the same socket; --metrics-address unless
-// --metrics-port-base 0).
+// of range, a --gpus entry that is not a GPU UUID (or named twice), a
+// --metrics-host that CheckMetricsHost refuses or that comes with
+// --metrics-port-base 0 (there is no address to give it to), or a daemon
+// flag the launcher sets itself (--device, --socket: every daemon would
+// claim the same socket; --metrics-address unless --metrics-port-base 0).
 Status ParseLauncherOptions(int argc, const char* const* argv, LauncherOptions* opts, bool* help);
 
 // "GPU-a,GPU-b" -> {"GPU-a", "GPU-b"}; each must pass IsGpuUuid, none twice
@@ -97,11 +102,23 @@ Status EnumerateGpus(std::vector<std::string>* out);
 // NOT_FOUND (naming where it looked) when there is no executable file.
 Status ResolveDaemonBinary(const std::string& flag, std::string* out);
 
+// CheckMetricsHost
+//
+// A --metrics-host value: a host name or IPv4 address (letters, digits, '.',
+// '-', '_'), or an IPv6 address WITHOUT brackets (inet_pton AF_INET6; the
+// launcher adds the brackets, so $(POD_IP) from the downward API works
+// unchanged on IPv4 and IPv6 clusters). INVALID_ARGUMENT naming the value
+// when it is empty, holds a space or another character outside that set,
+// is bracketed ("[::1]": give ::1), or holds ':' without being an IPv6
+// address ("host:9464": the port comes from --metrics-port-base).
+Status CheckMetricsHost(std::string_view host);
+
 // INVALID_ARGUMENT when `gpu_count` GPUs need metrics ports past 65535.
 Status CheckGpuCount(const LauncherOptions& opts, size_t gpu_count);
 
 // The daemon's arguments for GPU number `index` (0-based), argv[0] excluded:
-// --device 0, --metrics-address 127.0.0.1:<base+index> when base > 0, then
+// --device 0, --metrics-address <metrics_host>:<base+index> when base > 0
+// ("[<metrics_host>]:<base+index>" for an IPv6 metrics_host), then
 // opts.daemon_flags.
 std::vector<std::string> DaemonArgs(const LauncherOptions& opts, size_t index);
 

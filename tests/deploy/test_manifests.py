@@ -9,7 +9,8 @@ No cluster is needed (or used). Three kinds of checks:
 * cross-manifest facts that break silently when one file changes and another
   does not: the shared runtime dir, the env var the clients read, the probes,
   the gid admission rule, the host namespaces, the grace period against the
-  drain deadline, where the image is named;
+  drain deadline, where the image is named, the metrics host (the pod IP) and
+  ports against the port base;
 * premises: the kernel behaviour the manifests rely on (SO_PEERCRED's pid
   across PID namespaces, its gid being the primary one), checked on plain
   processes where this machine allows it (root, unshare(1)), skipped otherwise.
@@ -177,7 +178,7 @@ def env_value(c: dict, name: str, namespace: str, path: Path):
             return str(e["value"])
         ref = (e.get("valueFrom") or {}).get("configMapKeyRef")
         if ref is None:
-            return f"<{name}: set at run time>"  # fieldRef, secretKeyRef, ...
+            return f"<{name}:set-at-run-time>"  # fieldRef, secretKeyRef, ...: one word, as the value will be
         data = configmaps().get((namespace, ref.get("name")))
         assert data is not None, (
             f"{rel(path)}: container {c.get('name')!r} env {name} refers to ConfigMap "
@@ -609,7 +610,9 @@ def test_daemon_runs_as_non_root():
     caps = sc.get("capabilities") or {}
     assert "ALL" in (caps.get("drop") or []), f"{where}: capabilities.drop lacks ALL"
     assert not caps.get("add"), f"{where}: capabilities.add is {caps.get('add')}"
-    assert not spec.get("hostNetwork"), f"{rel(DAEMONSET_FILE)}: hostNetwork is true (the metrics are loopback-only by design)"
+    assert not spec.get("hostNetwork"), (
+        f"{rel(DAEMONSET_FILE)}: hostNetwork is true; the daemons need no host network (their sockets are in the "
+        f"hostPath dir), and their metrics, which listen on the pod IP, would then listen on the node's IP")
 
 
 def test_init_container_is_root_with_chown_and_fowner_only():
@@ -706,6 +709,59 @@ def test_daemon_flags_come_one_per_argument():
     for name in ("--runtime-dir", "--allowed-gid", "--drain-deadline-ms"):
         assert flag(daemon_flags, name) is not None, f"{rel(DAEMONSET_FILE)}: daemon flags lack {name}"
     assert flag(launcher_flags, "--daemon"), f"{rel(DAEMONSET_FILE)}: launcher flags lack --daemon"
+
+
+def _raw_launcher_words() -> list[str]:
+    """The launcher container's arguments before `--`, $(VAR)s not expanded."""
+    c = daemon_container()
+    words = [str(w) for w in list(c.get("command") or [])[1:] + list(c.get("args") or [])]
+    return words[:words.index("--")] if "--" in words else words
+
+
+def metrics_port_base() -> int:
+    launcher_flags, _ = daemon_argv()
+    raw = flag(launcher_flags, "--metrics-port-base")
+    assert raw is not None and raw.isdigit() and int(raw) > 0, (
+        f"{rel(DAEMONSET_FILE)}: launcher flag --metrics-port-base is {raw!r} (from ConfigMap cache-dit-opd-flags); "
+        f"want a port: with 0 (or none given) no daemon gets a metrics address on the pod IP")
+    return int(raw)
+
+
+def test_metrics_listen_on_the_pod_ip():
+    c = daemon_container()
+    where = f"{rel(DAEMONSET_FILE)}: container {c.get('name')!r}"
+    got = flag(_raw_launcher_words(), "--metrics-host")
+    assert got == "$(POD_IP)", (
+        f"{where}: launcher flag --metrics-host is {got!r}, want $(POD_IP): without it the daemons listen on "
+        f"127.0.0.1, the pod's own loopback, which Prometheus cannot reach")
+    env = [e for e in c.get("env") or [] if e.get("name") == "POD_IP"]
+    assert len(env) == 1, f"{where}: want one env POD_IP, found {len(env)}"
+    field = ((env[0].get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+    assert field == "status.podIP" and "value" not in env[0], (
+        f"{where}: env POD_IP is {env[0]!r}, want valueFrom.fieldRef.fieldPath status.podIP (the downward API)")
+    metrics_port_base()  # and there is an address to give the host to
+
+
+def test_metrics_ports_and_annotations_match_the_port_base():
+    base = metrics_port_base()
+    c = daemon_container()
+    where = f"{rel(DAEMONSET_FILE)}: container {c.get('name')!r}"
+    ports = [p for p in c.get("ports") or [] if str(p.get("name", "")).startswith("metrics")]
+    assert ports, f"{where} declares no metrics-<i> containerPort"
+    for i, p in enumerate(ports):
+        assert p.get("name") == f"metrics-{i}" and p.get("containerPort") == base + i, (
+            f"{where}: ports entry {p!r}: want name metrics-{i}, containerPort {base + i} "
+            f"(daemon {i} listens on --metrics-port-base {base} + {i})")
+        assert p.get("protocol", "TCP") == "TCP", f"{where}: port {p.get('name')} protocol is {p.get('protocol')!r}"
+        assert "hostPort" not in p, f"{where}: port {p.get('name')} has a hostPort: it would open the node's IP"
+    annotations = (dig(daemonset(), "spec.template.metadata", DAEMONSET_FILE) or {}).get("annotations") or {}
+    for key, want in (("prometheus.io/scrape", "true"), ("prometheus.io/port", str(base))):
+        assert annotations.get(key) == want, (
+            f"{rel(DAEMONSET_FILE)}: spec.template.metadata.annotations[{key!r}] is {annotations.get(key)!r}, "
+            f"want {want!r}")
+    assert annotations.get("prometheus.io/path", "/metrics") == "/metrics", (
+        f"{rel(DAEMONSET_FILE)}: prometheus.io/path is {annotations.get('prometheus.io/path')!r}; the daemons "
+        f"answer only /metrics")
 
 
 def _gpu_resources(c: dict) -> dict:

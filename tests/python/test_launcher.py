@@ -237,32 +237,43 @@ def wait_serving(launcher: Launcher, runtime_dir: str, uuid: str, pid: int):
     return v
 
 
-def metrics_answer(port: int) -> bool:
-    """Whether http://127.0.0.1:<port>/metrics answers 200."""
+def metrics_answer(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether http://<host>:<port>/metrics answers 200 (``host`` as a URL writes it: [::1] for IPv6)."""
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2) as r:
             return r.status == 200
     except OSError:
         return False
 
 
-def free_port_pair() -> int:
-    """A base port such that base and base+1 are free on 127.0.0.1 now."""
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A base port such that base and base+1 are free on ``host`` now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
+        with socket.socket(family) as a:
+            a.bind((host, 0))
             base = a.getsockname()[1]
             if base >= 65535:
                 continue
-            with socket.socket() as b:
+            with socket.socket(family) as b:
                 try:
-                    b.bind(("127.0.0.1", base + 1))
+                    b.bind((host, base + 1))
                 except OSError:
                     continue
         return base
-    pytest.skip("no two adjacent free ports")
+    pytest.skip(f"no two adjacent free ports on {host}")
+
+
+def ipv6_loopback() -> bool:
+    """Whether ::1 can be bound here (a container may run without IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 def test_two_gpus_each_served_on_its_socket(launch, tmp):
@@ -281,6 +292,26 @@ def test_two_gpus_each_served_on_its_socket(launch, tmp):
     assert len(set(launcher.started())) == 2
     assert child_pids(launcher.proc.pid) == set(launcher.started())
     assert launcher.proc.poll() is None
+
+
+def test_metrics_host_ipv6_is_bracketed_and_served(launch, tmp):
+    # --metrics-host takes an IPv6 address bare (as the downward API's status.podIP gives it) and hands each
+    # daemon [::1]:<base+i>: the real daemon accepts that address and serves on it.
+    if not fake_daemon_has_metrics():
+        pytest.skip("this build's daemon has no --metrics-address")
+    if not ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    base = free_port_pair("::1")
+    launcher = launch(*fake_args(tmp, "--metrics-host", "::1", metrics_port_base=base))
+    for i, uuid in enumerate(UUIDS):
+        pid = launcher.wait_started(uuid)
+        assert re.search(rf"^{PREFIX}{uuid}: started pid {pid}: .* --metrics-address \[::1\]:{base + i} ",
+                         launcher.log(), re.M), launcher.log()
+        v = wait_serving(launcher, tmp, uuid, pid)
+        if "metrics_address" in v.DESCRIPTOR.fields_by_name:
+            assert v.metrics_address == f"[::1]:{base + i}"
+        wait_until(lambda: metrics_answer(base + i, "[::1]"), f"/metrics on [::1]:{base + i}", log=launcher.report)
+        assert not metrics_answer(base + i), f"daemon {i} also answers on 127.0.0.1:{base + i}"
 
 
 def test_killed_daemon_is_restarted_and_the_other_untouched(launch, tmp):
@@ -388,6 +419,50 @@ def test_help_exits_0():
     out = run_launcher("--help")
     assert out.returncode == 0, out
     assert "--metrics-port-base" in out.stdout and "--backoff-max-ms" in out.stdout
+    assert "--metrics-host HOST" in out.stdout and "without brackets" in out.stdout.replace("WITHOUT", "without")
+
+
+@pytest.mark.parametrize("value, why", [
+    ("", "empty host"),
+    ("pod ip", "space"),
+    ("10.0.0.1\t", "space"),
+    ("[::1]", "without brackets"),
+    ("[fd00::5", "without brackets"),
+    ("10.0.0.1:9464", "only in an IPv6 address"),
+    ("metrics.local:80", "only in an IPv6 address"),
+    ("fd00::5::1", "only in an IPv6 address"),
+    ("a/b", "not a host name"),
+    ("-x", "not a host name"),
+], ids=["empty", "space", "tab", "bracketed", "half-bracketed", "ipv4-with-port", "name-with-port",
+        "bad-ipv6", "slash", "leading-dash"])
+@pytest.mark.parametrize("form", ["separate", "inline"])
+def test_bad_metrics_host_exits_2_naming_the_value(value, why, form):
+    flag = ["--metrics-host", value] if form == "separate" else [f"--metrics-host={value}"]
+    out = run_launcher(*flag, "--gpus", UUIDS[0], "--daemon", "/bin/true")
+    assert out.returncode == 2, out
+    assert f"--metrics-host '{value}'" in out.stderr, out.stderr
+    assert why in out.stderr, out.stderr
+    assert "usage:" in out.stderr and "started pid" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["--metrics-host", "10.0.0.7", "--metrics-port-base", "0"],
+    ["--metrics-port-base=0", "--metrics-host=fd00::5"],
+    ["--metrics-host", "127.0.0.1", "--metrics-port-base", "0"],  # the default, named: still nothing to apply
+], ids=["host-first", "base-first-ipv6", "default-host"])
+def test_metrics_host_with_port_base_0_exits_2(args):
+    out = run_launcher(*args, "--gpus", UUIDS[0], "--daemon", "/bin/true")
+    assert out.returncode == 2, out
+    host = args[1] if args[0] == "--metrics-host" else args[1].split("=", 1)[1]
+    assert f"--metrics-host '{host}' with --metrics-port-base 0" in out.stderr, out.stderr
+    assert "started pid" not in out.stderr, out.stderr
+
+
+def test_daemon_metrics_address_conflict_names_the_metrics_host():
+    out = run_launcher("--metrics-host", "fd00::5", "--gpus", UUIDS[0], "--daemon", "/bin/true",
+                       "--", "--metrics-address=[::1]:1")
+    assert out.returncode == 2, out
+    assert "daemon flag '--metrics-address=[::1]:1'" in out.stderr and "[fd00::5]:<base+i>" in out.stderr, out.stderr
 
 
 def test_no_gpu_list_and_no_nvidia_smi_exits_2(tmp):
@@ -468,6 +543,26 @@ def test_each_daemon_gets_its_gpu_arguments_and_a_clean_signal_state(launch, tmp
         assert rec["ppid"] == launcher.proc.pid
         assert rec["sigblk"] == 0, f"the daemon inherited a blocked signal mask {rec['sigblk']:#x}"
         assert rec["pdeathsig"] == signal.SIGTERM
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait_exit() == 0
+
+
+@pytest.mark.parametrize("host, address_host", [
+    ("10.1.2.3", "10.1.2.3"),
+    ("0.0.0.0", "0.0.0.0"),
+    ("cache-dit-opd-0.metrics_svc.example", "cache-dit-opd-0.metrics_svc.example"),
+    ("::1", "[::1]"),
+    ("fd00:10:244::5", "[fd00:10:244::5]"),
+], ids=["ipv4", "any", "name", "ipv6-loopback", "ipv6-pod-ip"])
+def test_metrics_host_reaches_every_daemon(launch, tmp, host, address_host):
+    daemon, out = stand_in(tmp)
+    launcher = launch("--daemon", daemon, "--gpus", ",".join(UUIDS), f"--metrics-host={host}",
+                      "--metrics-port-base", "19000", "--", "--log-level", "debug", env={"STAND_IN_OUT": out})
+    for i, uuid in enumerate(UUIDS):
+        rec = record(out, launcher.wait_started(uuid), launcher)
+        assert rec["visible"] == uuid
+        assert rec["argv"] == ["--device", "0", "--metrics-address", f"{address_host}:{19000 + i}",
+                               "--log-level", "debug"]
     launcher.proc.send_signal(signal.SIGTERM)
     assert launcher.wait_exit() == 0
 
