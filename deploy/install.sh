@@ -15,7 +15,8 @@
 #           with the `python3` on PATH, holding torch 2.11 (PyPI's Linux
 #           x86_64 wheel of 2.11 is the CUDA 13.0 build, same as the GPU
 #           host's 2.11.0+cu130), grpcio, grpcio-tools, protobuf, pytest,
-#           numpy, matplotlib, psutil, and cache-dit 1.5.3 without its
+#           numpy, matplotlib, psutil, diffusers and transformers (pinned:
+#           what `import cache_dit` needs), and cache-dit 1.5.3 without its
 #           dependencies (a test input). A stamp file in the venv records the
 #           requirement set; pip runs only when it differs.
 #   client  the Python client into the venv, `pip install --no-build-isolation
@@ -51,11 +52,13 @@ PY_REQUIREMENTS=(
   "${CACHE_DIT_TORCH_SPEC:-torch==2.11.*}"
   grpcio grpcio-tools protobuf pytest numpy matplotlib psutil
   prometheus-client kubernetes-validate==1.37.0 pyyaml
+  # What `import cache_dit` needs, pinned (cache-dit asks for >= only); with
+  # them the integration tests run against the real package
+  # (tests/python/test_integration_cache_dit.py).
+  diffusers==0.42.1 transformers==5.24.0
 )
-# Installed without their dependencies: cache-dit is a pure-Python wheel whose
-# SVDQuant packer (plain torch) the interoperability tests load by path
-# (tests/kernels/test_svdq_reference_cpu.py); its own dependencies (diffusers,
-# transformers) are not needed for that.
+# Installed without its dependencies: cache-dit's own requirements are the
+# pinned pair above plus torch, which it must not replace.
 PY_NODEPS_REQUIREMENTS=(cache-dit==1.5.3)
 
 log() { echo "install.sh: $*"; }

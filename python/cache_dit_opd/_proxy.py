@@ -5,9 +5,13 @@ ops. Rules (docs/DESIGN.md section 6):
 
 * op not defined yet: define it (tagged ``cudagraph_unsafe``) and attach the
   proxy CUDA impl and the fake;
-* op already defined (upstream cache-dit imported first) with the identical
-  schema and no CUDA kernel: attach the proxy impl, and the fake unless one is
-  registered already;
+* op already defined with the identical schema and no CUDA kernel: attach the
+  proxy impl, and the fake unless one is registered already;
+* op of upstream cache-dit's CUDA registry (CACHE_DIT_OPS): cache-dit's. Defined
+  by cache-dit first, it is left alone; defined here first, it is given back
+  (definition, impl and fake) when cache-dit's registry is imported, so
+  cache-dit runs as it would without this package. Only
+  ``cache_dit_opd.integrations.cache_dit.enable()`` serves it (serve_yielded);
 * any other case (different schema, or a CUDA kernel already registered, as
   when the kernel library is loaded in-process): fail, naming the op and the
   module that owns it. One process never holds both the proxies and the
@@ -16,8 +20,11 @@ ops. Rules (docs/DESIGN.md section 6):
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import re
 import sys
+import warnings
 
 import torch
 
@@ -28,6 +35,21 @@ PROXY_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsa
 
 class NamespaceConflictError(RuntimeError):
     """cache_dit_cuda_ops already holds an incompatible definition of a served op."""
+
+
+# Upstream cache-dit's CUDA registry (PyPI cache-dit 1.5.3): importing it defines these ops in
+# cache_dit_cuda_ops, each with a CUDA kernel that wraps its extension cache_dit._C_svdquant (and raises when
+# the extension is absent, as it always is on Hopper) and a fake. tests/python/test_integration_cache_dit.py
+# checks this set against the installed package.
+CACHE_DIT_REGISTRY = "cache_dit.kernels.cuda._ops_registery"
+CACHE_DIT_OPS = frozenset({"svdq_quantize_w4a4_act_fuse_lora", "svdq_gemm_w4a4", "svdq_gemm_w4a4_v2",
+                           "svdq_gemm_w4a4_ext", "svdq_quantize_w4a4_wgt"})
+
+_own_libs: dict = {}   # full name -> the Library holding this client's definition of a CACHE_DIT_OPS op
+_own_defs: dict = {}   # full name -> (schema, tags) of such a definition, to define it again
+_yielded: set = set()  # CACHE_DIT_OPS ops that are cache-dit's in this process
+_served: set = set()   # yielded ops this client serves again (serve_yielded)
+_impls: dict = {}      # full name -> (cuda_impl, fake), as given to attach()
 
 
 def _existing_schema(name: str, overload: str):
@@ -90,8 +112,14 @@ def define_or_adopt(lib: "torch.library.Library", schemas: dict, tags=()) -> dic
         qualname = f"{NAMESPACE}::{full}"
         theirs = _existing_schema(name, overload)
         if theirs is None:
-            lib.define(f"{full}{sig}", tags=tuple(tags))
+            if full in CACHE_DIT_OPS:
+                _define_own(full, sig, tags)
+            else:
+                lib.define(f"{full}{sig}", tags=tuple(tags))
             fake_present[full] = False
+            continue
+        if full in CACHE_DIT_OPS and CACHE_DIT_REGISTRY in sys.modules:
+            _yielded.add(full)  # cache-dit's; its schema is compared only when the integration is enabled
             continue
         ours = str(torch._C.parse_schema(f"{qualname}{sig}"))
         if _normalize(theirs) != ours:
@@ -129,6 +157,10 @@ def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
     """
     from . import _native
 
+    _impls[full] = (cuda_impl, fake)
+    if full in _yielded:
+        return
+    lib = _own_libs.get(full, lib)
     qualname = f"{NAMESPACE}::{full}"
     native = _native.library() is not None and _returns_alias_outputs(qualname)
     if native:
@@ -145,6 +177,102 @@ def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
 
 
 _native_out: set[str] = set()  # "name.out" overloads whose CUDA kernel is the native one
+
+
+def require_served(full: str) -> None:
+    """Raises when ``full`` is cache-dit's in this process and this client does not serve it."""
+    if full in _yielded and full not in _served:
+        raise RuntimeError(
+            f"cache_dit_opd: {NAMESPACE}::{full} is defined by cache-dit in this process ({CACHE_DIT_REGISTRY} is "
+            f"imported), and its CUDA kernel is cache-dit's own extension. To run cache-dit's op (and this "
+            f"wrapper) through the daemon, call cache_dit_opd.integrations.cache_dit.enable(); the .out overload "
+            f"is always the daemon's."
+        )
+
+
+def serve_yielded(names) -> "torch.library.Library":
+    """Registers this client's CUDA impl and fake over cache-dit's for each yielded op in ``names``.
+
+    Destroying the returned Library (give_back) restores cache-dit's kernel and fake: the dispatcher and
+    torch's fake registry keep earlier registrations beneath later ones.
+    """
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for full in names:
+        if full not in _yielded:
+            raise AssertionError(f"{full} is not cache-dit's")
+        impl, fake = _impls[full]
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            lib.impl(full, impl, "CUDA", allow_override=True)
+        torch.library.register_fake(f"{NAMESPACE}::{full}", fake, lib=lib, allow_override=True)
+        _served.add(full)
+    return lib
+
+
+def give_back(lib: "torch.library.Library", names) -> None:
+    """Undoes serve_yielded."""
+    lib._destroy()
+    _served.difference_update(names)
+
+
+def _define_own(full: str, sig: str, tags) -> None:
+    # In a Library of its own, so that it can be given back alone.
+    lib = _own_libs[full] = torch.library.Library(NAMESPACE, "FRAGMENT")
+    _own_defs[full] = (sig, tuple(tags))
+    lib.define(f"{full}{sig}", tags=tuple(tags))
+
+
+def _yield_to_cache_dit() -> list:
+    gave = list(_own_libs)
+    for full in gave:
+        _own_libs.pop(full)._destroy()  # definition, impl and fake; torch drops torch.ops' cached packet too
+        _yielded.add(full)
+    return gave
+
+
+def _reclaim(names) -> None:
+    """Defines again those of ``names`` that nobody defines now (cache-dit's registry failed to import)."""
+    for full in names:
+        name, _, overload = full.partition(".")
+        if _existing_schema(name, overload) is None:
+            _yielded.discard(full)
+            _define_own(full, *_own_defs[full])
+            attach(None, full, *_impls[full], {})
+
+
+class _CacheDitRegistryLoader(importlib.abc.Loader):
+    """cache-dit's registry module, executed after this client gave back its definitions of CACHE_DIT_OPS."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        gave = _yield_to_cache_dit()
+        try:
+            self._loader.exec_module(module)
+        except BaseException:
+            _reclaim(gave)  # what cache-dit did not define is this client's again
+            raise
+
+
+class _CacheDitRegistryFinder(importlib.abc.MetaPathFinder):
+    """Sees cache-dit's registry being imported while this client defines some of its ops: torch allows one
+    definition per op, and cache-dit's import must not fail because this package was imported first."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != CACHE_DIT_REGISTRY or not _own_libs:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _CacheDitRegistryLoader(spec.loader)
+        return spec
+
+
+if not any(isinstance(f, _CacheDitRegistryFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _CacheDitRegistryFinder())
 
 
 def redispatch(name: str, args: tuple, kwargs: dict):

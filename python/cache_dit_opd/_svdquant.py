@@ -342,6 +342,7 @@ def svdq_quantize_w4a4_act_fuse_lora(input: torch.Tensor, lora_down: torch.Tenso
         ``[K/64, M_pad]`` in the input's dtype, ``[M_pad, R]`` float32 (the daemon's internal layouts).
     :raises ValueError: on a wrong shape, dtype or layout (naming the value); for ``fp4`` or ``fuse_glu``.
     """
+    _proxy.require_served(_ACT)
     return torch.ops.cache_dit_cuda_ops.svdq_quantize_w4a4_act_fuse_lora(input, lora_down, smooth, fuse_glu, fp4,
                                                                          pad_size)
 
@@ -360,6 +361,7 @@ def svdq_gemm_w4a4(act: torch.Tensor, wgt: torch.Tensor, ascales: torch.Tensor, 
     :returns: ``[M_pad, N]``.
     :raises ValueError: on a wrong shape, dtype or layout (naming the value); for FP4 arguments.
     """
+    _proxy.require_served(_GEMM)
     dtype = output_dtype or wscales.dtype
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"{_GEMM}: output_dtype must be one of {_OUT_DTYPES}, got {dtype}")
@@ -371,4 +373,5 @@ def svdq_gemm_w4a4(act: torch.Tensor, wgt: torch.Tensor, ascales: torch.Tensor, 
 def svdq_quantize_w4a4_wgt(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes a weight ``[N, K]`` (float16/bfloat16, N % 128 == 0, K % 128 == 0) to packed ``qweight``
     ``[N, K/2]`` int8 and ``wscales`` ``[K/64, N]`` (scale = amax/7 in the input's dtype, round half to even)."""
+    _proxy.require_served(_WGT)
     return torch.ops.cache_dit_cuda_ops.svdq_quantize_w4a4_wgt(input)
