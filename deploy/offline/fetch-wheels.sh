@@ -5,6 +5,9 @@
 #
 #   deploy/offline/fetch-wheels.sh [DEST]      # default <repo>/.offline/wheels
 #
+# Also what `import cache_dit` needs and the H200 host's image lacks (it has
+# transformers, huggingface-hub, safetensors, regex, pillow and requests):
+# diffusers, at install.sh's pin, and importlib-metadata.
 # tests/gpu/run.sh installs DEST/*.whl (--no-deps, --no-index) into
 # <build dir>/pydeps and puts that folder on PYTHONPATH.
 set -euo pipefail
@@ -12,6 +15,9 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 dest="${1:-$repo/.offline/wheels}"
 line="$(grep -E '^PY_NODEPS_REQUIREMENTS=\(' "$repo/deploy/install.sh")"
 eval "$line"
+diffusers="$(grep -oE 'diffusers==[0-9.]+' "$repo/deploy/install.sh" | head -1)"
+[ -n "$diffusers" ] || { echo "fetch-wheels.sh: no diffusers pin in deploy/install.sh" >&2; exit 1; }
+PY_NODEPS_REQUIREMENTS+=("$diffusers" importlib-metadata)
 mkdir -p "$dest"
 "${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: -d "$dest" "${PY_NODEPS_REQUIREMENTS[@]}"
 ls -l "$dest"
