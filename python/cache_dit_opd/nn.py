@@ -1,0 +1,144 @@
+"""Modules whose forward runs through the daemon.
+
+:class:`SVDQW4A4Linear` is a linear layer quantized with SVDQuant W4A4
+(docs/DESIGN.md section 8), holding the packed tensors of nunchaku's and
+cache-dit's checkpoints under their names, so a state dict of either loads
+as it is. Its forward calls only the public wrappers of
+:mod:`cache_dit_opd.kernels`, so it traces under ``torch.compile`` with the
+ops' fakes (no daemon, no GPU) and runs through the daemon on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from . import kernels
+
+__all__ = ["SVDQW4A4Linear", "load_safetensors"]
+
+_ALIGN, _GROUP, _RANK_ALIGN = 128, 64, 16  # kernels/svdq/svdq.h: N, K multiples of 128; 64-groups; R of 16
+_PAD_ROWS = 256  # rows of the activation quantizer's outputs: M padded to a multiple (its default)
+_FP4_KEYS = ("wcscales", "wtscale")
+
+
+def _padded(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class SVDQW4A4Linear(nn.Module):
+    """``y = x W^T + b`` with W as SVDQuant INT4 W4A4 (per-64-group scales, rank-R LoRA-style correction).
+
+    :param in_features, out_features: the float layer's logical sizes; stored padded to multiples of 128
+        (x is zero-padded on the way in, the extra outputs are cut off), as nunchaku and cache-dit do.
+    :param rank: of ``proj_down`` / ``proj_up`` (a multiple of 16; 0: no low-rank part).
+    :param torch_dtype: float16 or bfloat16: the scales, smoothing, bias, low-rank factors and the output.
+
+    Parameters (packed layouts: ``kernels/svdq/svdq.h``): ``qweight [N_pad, K_pad/2]`` int8,
+    ``wscales [K_pad/64, N_pad]``, ``smooth_factor`` and ``smooth_factor_orig [K_pad]``, ``proj_down
+    [K_pad, R]``, ``proj_up [N_pad, R]``, ``bias [N_pad]`` (if ``bias``). Loading a state dict checks
+    each tensor's dtype as well as its shape (a float ``qweight`` is refused, not converted).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int = 32, bias: bool = True,
+                 torch_dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"SVDQW4A4Linear: in_features and out_features must be >= 1, got {in_features}, "
+                             f"{out_features}")
+        if rank < 0 or rank % _RANK_ALIGN:
+            raise ValueError(f"SVDQW4A4Linear: rank must be a non-negative multiple of {_RANK_ALIGN}, got {rank}")
+        if torch_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"SVDQW4A4Linear: torch_dtype must be torch.float16 or torch.bfloat16, got {torch_dtype}")
+        self.in_features, self.out_features, self.rank, self.torch_dtype = in_features, out_features, rank, torch_dtype
+        k, n = _padded(in_features), _padded(out_features)
+
+        def param(*shape, dtype=torch_dtype):
+            return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.qweight = param(n, k // 2, dtype=torch.int8)
+        self.wscales = param(k // _GROUP, n)
+        self.smooth_factor = param(k)
+        self.smooth_factor_orig = param(k)
+        self.proj_down = param(k, rank)
+        self.proj_up = param(n, rank)
+        self.bias = param(n) if bias else None
+        self._register_load_state_dict_pre_hook(self._check_loaded_dtypes)
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict, in_features: int | None = None, out_features: int | None = None,
+                        prefix: str = "", device=None) -> "SVDQW4A4Linear":
+        """A module with the geometry of a checkpoint's tensors (``prefix`` + name), loaded from them.
+
+        The logical sizes default to the stored (padded) ones; rank, bias and dtype come from the tensors.
+        """
+        def get(name):
+            if prefix + name not in state_dict:
+                raise KeyError(f"SVDQW4A4Linear: checkpoint has no '{prefix}{name}' (keys: "
+                               f"{sorted(k for k in state_dict if k.startswith(prefix))[:12]})")
+            return state_dict[prefix + name]
+
+        qweight, wscales, proj_up = get("qweight"), get("wscales"), get("proj_up")
+        if qweight.dim() != 2 or proj_up.dim() != 2:
+            raise ValueError(f"SVDQW4A4Linear: '{prefix}qweight' and '{prefix}proj_up' must be 2-D, got "
+                             f"{tuple(qweight.shape)} and {tuple(proj_up.shape)}")
+        n, k = qweight.shape[0], qweight.shape[1] * 2
+        m = cls(in_features or k, out_features or n, rank=proj_up.shape[1], bias=prefix + "bias" in state_dict,
+                torch_dtype=wscales.dtype, device=device)
+        if (_padded(m.in_features), _padded(m.out_features)) != (k, n):
+            raise ValueError(f"SVDQW4A4Linear: in_features {m.in_features} / out_features {m.out_features} "
+                             f"pad to {_padded(m.in_features)} / {_padded(m.out_features)}, but '{prefix}qweight' "
+                             f"{tuple(qweight.shape)} holds {k} / {n}")
+        m.load_state_dict({name[len(prefix):]: t for name, t in state_dict.items() if name.startswith(prefix)})
+        return m
+
+    def _check_loaded_dtypes(self, state_dict, prefix, *args, **kwargs):
+        for key in _FP4_KEYS:
+            if prefix + key in state_dict:
+                raise ValueError(f"SVDQW4A4Linear: '{prefix}{key}' is an NVFP4 checkpoint tensor; only INT4 "
+                                 f"checkpoints are served")
+        for name, p in self.named_parameters(recurse=False):
+            t = state_dict.get(prefix + name)
+            if t is not None and t.dtype != p.dtype:
+                raise ValueError(f"SVDQW4A4Linear: '{prefix}{name}' must be {p.dtype}, got {t.dtype}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"SVDQW4A4Linear: input's last dim must be in_features={self.in_features}, got "
+                             f"shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        rows = x.shape[0]
+        k = self.qweight.shape[1] * 2
+        if k != self.in_features:
+            x = nn.functional.pad(x, (0, k - self.in_features))
+        lora = self.rank > 0
+        act, ascales, lora_act = kernels.svdq_quantize_w4a4_act_fuse_lora(
+            x.contiguous(), self.proj_down if lora else None, self.smooth_factor, pad_size=_PAD_ROWS)
+        y = kernels.svdq_gemm_w4a4(act, self.qweight, ascales, self.wscales, lora_act if lora else None,
+                                   self.proj_up if lora else None, self.bias, output_dtype=self.torch_dtype)
+        return y[:rows, :self.out_features].reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+                f"bias={self.bias is not None}, torch_dtype={self.torch_dtype}")
+
+
+def load_safetensors(path: str | os.PathLike, device="cpu") -> dict:
+    """The tensors of a ``.safetensors`` file; ValueError naming the file when it is not a valid one
+    (truncated, a header that lies about sizes), FileNotFoundError when it is missing."""
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError as e:
+        raise ImportError("cache_dit_opd.nn.load_safetensors needs the safetensors package "
+                          "(pip install safetensors)") from e
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_safetensors: no such file: {path}")
+    try:
+        return load_file(path, device=str(device))
+    except SafetensorError as e:
+        raise ValueError(f"load_safetensors: {path} is not a valid safetensors file: {e}") from e
