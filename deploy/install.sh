@@ -15,8 +15,8 @@
 #           with the `python3` on PATH, holding torch 2.11 (PyPI's Linux
 #           x86_64 wheel of 2.11 is the CUDA 13.0 build, same as the GPU
 #           host's 2.11.0+cu130), grpcio, grpcio-tools, protobuf, pytest,
-#           numpy, matplotlib, psutil, diffusers and transformers (pinned:
-#           what `import cache_dit` needs), and cache-dit 1.5.3 without its
+#           numpy, matplotlib, psutil, safetensors, diffusers and transformers
+#           (pinned: what `import cache_dit` needs), and cache-dit 1.5.3 without its
 #           dependencies (a test input). A stamp file in the venv records the
 #           requirement set; pip runs only when it differs.
 #   client  the Python client into the venv, `pip install --no-build-isolation
@@ -56,6 +56,8 @@ PY_REQUIREMENTS=(
   # them the integration tests run against the real package
   # (tests/python/test_integration_cache_dit.py).
   diffusers==0.42.1 transformers==5.24.0
+  # cache_dit_opd.nn.load_safetensors; the H200 host's image has 0.8.0.
+  safetensors==0.8.0
 )
 # Installed without its dependencies: cache-dit's own requirements are the
 # pinned pair above plus torch, which it must not replace.

@@ -5,14 +5,13 @@ import struct
 import textwrap
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 
 import _client_fixtures as fx
 from _client_fixtures import sq
 from cache_dit_opd import nn as opd_nn
 from cache_dit_opd.nn import SVDQW4A4Linear, load_safetensors
-
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
 def quantized(in_features, out_features, rank, bias=True, dtype=torch.bfloat16, seed=0):
