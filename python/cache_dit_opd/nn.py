@@ -17,7 +17,7 @@ from torch import nn
 
 from . import kernels
 
-__all__ = ["SVDQW4A4Linear", "load_safetensors"]
+__all__ = ["SVDQW4A4Linear", "load_quantized", "load_safetensors"]
 
 _ALIGN, _GROUP, _RANK_ALIGN = 128, 64, 16  # kernels/svdq/svdq.h: N, K multiples of 128; 64-groups; R of 16
 _PAD_ROWS = 256  # rows of the activation quantizer's outputs: M padded to a multiple (its default)
@@ -124,6 +124,32 @@ class SVDQW4A4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
                 f"bias={self.bias is not None}, torch_dtype={self.torch_dtype}")
+
+
+def load_quantized(model: nn.Module, state_dict: dict, prefix: str = "", device=None) -> list[str]:
+    """Replaces each ``nn.Linear`` of ``model`` that ``state_dict`` holds quantized (a ``<prefix><name>.qweight``
+    key) by an SVDQW4A4Linear of the linear's sizes loaded from those tensors; returns the names replaced.
+
+    A checkpoint layer that is no ``nn.Linear`` of the model (a checkpoint of another model) is an error
+    naming it, and so is a prefix under which the checkpoint holds no quantized layer.
+    """
+    names = sorted(k[len(prefix):-len(".qweight")] for k in state_dict
+                   if k.startswith(prefix) and k.endswith(".qweight"))
+    if not names:
+        raise ValueError(f"load_quantized: the checkpoint holds no '<name>.qweight' under prefix '{prefix}' "
+                         f"(its first keys: {sorted(state_dict)[:4]})")
+    modules = dict(model.named_modules())
+    missing = [n for n in names if not isinstance(modules.get(n), nn.Linear)]
+    if missing:
+        raise ValueError(f"load_quantized: checkpoint layers that are no nn.Linear of the model: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''} (prefix '{prefix}')")
+    for name in names:
+        lin = modules[name]
+        q = SVDQW4A4Linear.from_state_dict(state_dict, lin.in_features, lin.out_features,
+                                           prefix=f"{prefix}{name}.", device=device or lin.weight.device)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, q)
+    return names
 
 
 def load_safetensors(path: str | os.PathLike, device="cpu") -> dict:

@@ -201,3 +201,28 @@ def test_flux_mlp_accuracy_against_bf16(gpu_daemon):
         print("ok")
     """), timeout=600, CACHE_DIT_OPD_ADDRESS=gpu_daemon.address)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_load_quantized_replaces_the_linears_a_checkpoint_holds():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff = torch.nn.Sequential(torch.nn.Linear(300, 512), torch.nn.GELU(), torch.nn.Linear(512, 300))
+            self.norm = torch.nn.LayerNorm(300)
+
+    model = torch.nn.ModuleDict({"b0": Block(), "b1": Block()})
+    sd = {}
+    for blk in ("b0", "b1"):
+        for idx, (i, o) in (("0", (300, 512)), ("2", (512, 300))):
+            sd.update({f"transformer.{blk}.ff.{idx}.{k}": v for k, v in quantized(i, o, 16)[1].items()})
+    names = opd_nn.load_quantized(model, sd, prefix="transformer.")
+    assert names == ["b0.ff.0", "b0.ff.2", "b1.ff.0", "b1.ff.2"]
+    q = model["b1"].ff[2]
+    assert isinstance(q, SVDQW4A4Linear) and (q.in_features, q.out_features, q.rank) == (512, 300, 16)
+    assert torch.equal(q.qweight, sd["transformer.b1.ff.2.qweight"])
+    assert isinstance(model["b0"].norm, torch.nn.LayerNorm)
+    with pytest.raises(ValueError, match="holds no '<name>.qweight' under prefix 'model.'"):
+        opd_nn.load_quantized(model, sd, prefix="model.")
+    with pytest.raises(ValueError, match=r"no nn.Linear of the model: \['b0.norm'\]"):
+        opd_nn.load_quantized(torch.nn.ModuleDict({"b0": Block()}),
+                              {f"b0.norm.{k}": v for k, v in quantized(256, 256, 0)[1].items()})
