@@ -9,7 +9,8 @@
 # 3. ctest -LE gpu                GoogleTest suites that need no device
 # 4. pytest tests/kernels, tests/python, tests/bench, tests/deploy -m "not gpu" (one process each;
 #    tests/deploy: the Kubernetes manifests, validated offline)
-# 5. the C++ suites again under ASan+UBSan
+# 5. the C++ suites again under ASan+UBSan, and tests/python against the
+#    instrumented daemon and tools
 # 6. the concurrency suites under TSan (CACHE_DIT_SANITIZERS, default
 #    "asan,tsan", names the steps 5 and 6 that run; "none": neither)
 # 7. every fuzzer for 20 s (CACHE_DIT_FUZZ=none skips it)
@@ -92,9 +93,10 @@ done
 # ---- 5. sanitizers ------------------------------------------------------------
 # The C++ suites once more, built with AddressSanitizer + UndefinedBehaviorSanitizer
 # (CACHE_DIT_SANITIZE, cmake/OpdTargets.cmake; leak checks on, a finding fails
-# its test) into $BUILD_DIR-asan. Left out: server.daemon_process, which runs
-# pytest (an instrumented library cannot be loaded into an uninstrumented
-# Python). CACHE_DIT_SANITIZERS=none skips the step.
+# its test) into $BUILD_DIR-asan, then the Python suite against its binaries.
+# Left out of ctest: server.daemon_process, which runs pytest (an instrumented
+# library cannot be loaded into an uninstrumented Python).
+# CACHE_DIT_SANITIZERS=none skips the step.
 SAN_RC=0
 SANITIZERS="${CACHE_DIT_SANITIZERS:-asan,tsan}"
 if [[ ",$SANITIZERS," == *,asan,* ]] && [ "$BUILD_RC" -eq 0 ]; then
@@ -114,6 +116,30 @@ if [[ ",$SANITIZERS," == *,asan,* ]] && [ "$BUILD_RC" -eq 0 ]; then
     SAN_RC=$?
   fi
   JUNIT+=("$RESULTS/ctest-asan.xml" "$SAN_RC")
+  if [ -x "$ASAN_DIR/server/cache-dit-opd" ]; then
+    say "== pytest tests/python -m 'not gpu' against the ASan+UBSan binaries"
+    # What the tests start (daemon, fake daemon, opdctl, launcher, generators)
+    # is the instrumented build; what Python loads in-process (the native
+    # engine, the kernel library) stays $BUILD_DIR's: an uninstrumented Python
+    # cannot load an instrumented library. Reports go to files, so that one
+    # from a process whose death its test expects still fails the step.
+    rm -f "$RESULTS"/asan-python.* "$RESULTS/pytest-python-asan.xml"
+    # CACHE_DIT_OPD_SANITIZED=1: RSS figures measure the sanitizer's quarantine
+    # here, so the hostile-client tests check descriptors only.
+    CACHE_DIT_OPD_SANITIZED=1 CACHE_DIT_OPD_BUILD_DIR="$ASAN_DIR" CACHE_DIT_OPD_LIBRARY_BUILD_DIR="$BUILD_DIR" \
+      CACHE_DIT_OPD_NATIVE_LIB="$BUILD_DIR/client/python/libcache_dit_opd_native.so" \
+      ASAN_OPTIONS="protect_shadow_gap=0:detect_leaks=1:log_path=$RESULTS/asan-python" \
+      UBSAN_OPTIONS="print_stacktrace=1:log_path=$RESULTS/asan-python" \
+      "$PY" -m pytest tests/python -q -m "not gpu" --junitxml="$RESULTS/pytest-python-asan.xml"
+    rc=$?
+    if compgen -G "$RESULTS/asan-python.*" > /dev/null; then
+      say "sanitizer reports from processes the Python suite started:"
+      head -n 60 "$RESULTS"/asan-python.*
+      [ "$rc" -eq 0 ] && rc=1
+    fi
+    JUNIT+=("$RESULTS/pytest-python-asan.xml" "$rc")
+    [ "$rc" -ne 0 ] && SAN_RC=$rc
+  fi
   say "sanitizers $(status_of "$SAN_RC") in $((SECONDS - t0)) s"
 fi
 

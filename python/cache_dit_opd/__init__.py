@@ -4,7 +4,9 @@ Importing the package defines the proxy ops ``torch.ops.cache_dit_cuda_ops.*``
 with local fakes; it needs neither a daemon nor a GPU. The first op call on a
 CUDA device opens a session with the daemon that serves that GPU (found by its
 UUID; ``CACHE_DIT_OPD_ADDRESS`` overrides the lookup). Ops live in
-:mod:`cache_dit_opd.kernels`.
+:mod:`cache_dit_opd.kernels`, modules built on them (``SVDQW4A4Linear``) in
+:mod:`cache_dit_opd.nn`, and the one-line cache-dit integration in
+:mod:`cache_dit_opd.integrations.cache_dit`.
 
 With the native engine (``libcache_dit_opd_native.so``, built by ``pip install
 --no-build-isolation ./python``) calls run in C++ through the session's
@@ -21,6 +23,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import kernels  # noqa: E402  (defines the ops in cache_dit_cuda_ops)
+from . import integrations, nn  # noqa: E402  (integrations change nothing until enabled)
 from ._session import (  # noqa: E402
     CatalogSkewError,
     DaemonUnavailableError,
@@ -40,7 +43,9 @@ __all__ = [
     "daemon_address",
     "daemon_info",
     "daemon_stats",
+    "integrations",
     "kernels",
+    "nn",
     "set_async_calls",
     "synchronize",
 ]

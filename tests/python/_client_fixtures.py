@@ -13,7 +13,10 @@
   ``sq``: SVDQuant's packers, unpackers and kernel-faithful numerics (``kernels/svdq_reference.py``);
   ``svdq_layer`` / ``svdq_act_outputs`` build a W4A4 layer's packed checkpoint tensors and the activation
   quantizer's outputs from them; ``svdq_gemm_reference`` is the GEMM's faithful sum from its own operands.
-* Paths of the built kernel library and binaries (``CACHE_DIT_OPD_BUILD_DIR``, default ``<repo>/build``).
+* Paths of the built binaries (``CACHE_DIT_OPD_BUILD_DIR``, default ``<repo>/build``) and of the kernel
+  library, which is loaded into Python (``CACHE_DIT_OPD_LIBRARY_BUILD_DIR``, default the same): they differ
+  when the binaries are a sanitizer build, whose libraries an uninstrumented Python cannot load
+  (tests/run.sh, step 5).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def build_dir() -> str:
 
 
 def kernel_library_path() -> str:
-    return os.path.join(build_dir(), "kernels", "libcache_dit_cuda_ops.so")
+    return os.path.join(os.environ.get("CACHE_DIT_OPD_LIBRARY_BUILD_DIR", build_dir()), "kernels",
+                        "libcache_dit_cuda_ops.so")
 
 
 def daemon_binary_path() -> str:

@@ -53,6 +53,9 @@ MAX_MESSAGE = 64 << 10  # --max-message-bytes' default (server/options.h)
 MIB = 1 << 20
 RSS_TOLERANCE = 16 * MIB
 MAX_SESSIONS = 8
+# Under AddressSanitizer (tests/run.sh step 5) freed memory waits in its quarantine (256 MiB) and every
+# allocation carries shadow and redzones: RSS then measures the sanitizer, so only descriptors are checked.
+SANITIZED = os.environ.get("CACHE_DIT_OPD_SANITIZED") == "1"
 TRIM_MS = 200  # --memory-trim-ms: the daemon returns freed memory within a fraction of a second
 
 
@@ -106,7 +109,7 @@ class Watch:
         deadline = time.monotonic() + timeout
         while True:
             fds, rss = open_fds(d.pid), status_kib(d.pid, "VmRSS")
-            if fds <= self.fds and rss <= self.rss + rss_tolerance:
+            if fds <= self.fds and (SANITIZED or rss <= self.rss + rss_tolerance):
                 break
             assert time.monotonic() < deadline, (
                 f"after the phase: {fds} open descriptors (baseline {self.fds}), VmRSS {rss / MIB:.1f} MiB "
@@ -279,7 +282,7 @@ def test_oversized_messages_are_refused_without_buffering_them():
             peak = status_kib(d.pid, "VmHWM") - hwm
             # The quota is 64 MiB (server/grpc/grpc_server.h); measured peak growth ~64 MiB, against 256 MiB
             # and more without it.
-            assert peak < 128 * MIB, f"peak RSS grew by {peak / MIB:.0f} MiB while refusing a 256 MiB request"
+            assert SANITIZED or peak < 128 * MIB, f"peak RSS grew by {peak / MIB:.0f} MiB while refusing a 256 MiB request"
         w.settled(max_log_lines=5, rss_tolerance=2 * RSS_TOLERANCE)
     finally:
         d.kill()
