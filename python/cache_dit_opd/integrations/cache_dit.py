@@ -61,7 +61,9 @@ class IntegrationError(RuntimeError):
 
 
 _lock = threading.Lock()
-_state: dict | None = None  # while enabled: {"patched": {name: cache-dit's function}, "lib": Library, "svdq": [...]}
+# While enabled: cache-dit's ops module, its functions replaced ({name: original}), the Library serving its svdq
+# ops, and their names.
+_state: dict | None = None
 
 
 def _args_and_returns(schema) -> str:
@@ -96,8 +98,14 @@ def _load_cache_dit():
         )
     import cache_dit.kernels.cuda  # noqa: F401  (defines cache-dit's cuda ops; this client gives its copies back)
     import cache_dit.kernels.ops as ops
-    import cache_dit.kernels.triton  # noqa: F401  (defines cache-dit's Triton ops, whose schemas are compared)
     from cache_dit.kernels.cuda import _svdquant
+
+    try:
+        import cache_dit.kernels.triton  # noqa: F401  (defines cache-dit's Triton ops, whose schemas are compared)
+    except ImportError as e:
+        raise IntegrationError(f"cache_dit_opd: cache-dit's Triton backend does not import ({e}), so the schemas "
+                               f"of its ops {sorted(_DISPATCH.values())} cannot be compared; nothing was taken "
+                               f"over") from e
 
     return ops, _svdquant
 
@@ -131,16 +139,13 @@ def enable() -> dict:
             _check(ops)
             # cache-dit's extension loaded: its svdq ops can run in-process and stay its own.
             svdq = [] if svdquant.svdq_extension_is_available() else _CUDA_OPS
-            patched = {fn: getattr(ops, fn) for fn in _DISPATCH}
+            replace = {fn: getattr(_kernels, name) for fn, name in _DISPATCH.items()}
             if svdq:
-                patched["_svdq_extension_is_available_impl"] = ops._svdq_extension_is_available_impl
-                patched["_svdq_get_load_error_impl"] = ops._svdq_get_load_error_impl
+                replace.update(_svdq_extension_is_available_impl=lambda: True, _svdq_get_load_error_impl=lambda: None)
+            patched = {fn: getattr(ops, fn) for fn in replace}
             lib = _proxy.serve_yielded(svdq)
-            for fn, name in _DISPATCH.items():
-                setattr(ops, fn, getattr(_kernels, name))
-            if svdq:
-                ops._svdq_extension_is_available_impl = lambda: True
-                ops._svdq_get_load_error_impl = lambda: None
+            for fn, f in replace.items():
+                setattr(ops, fn, f)
             _state = {"ops": ops, "patched": patched, "lib": lib, "svdq": svdq}
         return _status_locked()
 
