@@ -385,3 +385,60 @@ def test_malformed_admin_requests_are_refused_by_reason_and_the_daemon_keeps_ser
             well.close()
     finally:
         d.stop()
+
+
+@pytest.mark.gpu
+def test_metrics_count_every_call_a_real_client_makes():
+    """On the GPU: a client process makes a known number of calls (.out through the ring, sync and async;
+    functional forms; host-ordered gRPC calls with the native engine off; one rejection); the daemon's
+    /metrics deltas equal them per op, overload and transport, and opdctl's per-op stats agree."""
+    port = free_port()
+    d = fx.daemon(None, "--metrics-address", f"127.0.0.1:{port}", fake=False)
+    try:
+        before = scrape(port)
+        code = textwrap.dedent("""
+            import os, torch, cache_dit_opd
+            from cache_dit_opd import kernels as k
+            x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(64, 130, device="cuda", dtype=torch.float8_e4m3fn)
+            for _ in range(7):
+                torch.ops.cache_dit_cuda_ops.fp8_comm_per_token_quant.out(x, out=out)
+            with cache_dit_opd.async_calls():
+                for _ in range(11):
+                    torch.ops.cache_dit_cuda_ops.fp8_comm_per_token_quant.out(x, out=out)
+            cache_dit_opd.synchronize()
+            for _ in range(5):
+                k.fp8_comm_per_token_dequant(k.fp8_comm_per_token_quant(x))
+            try:
+                k.fp8_comm_per_token_quant(x.float())
+            except ValueError:
+                pass
+            torch.cuda.synchronize()
+            print("native", cache_dit_opd.daemon_info()["native"])
+        """)
+        env = dict(CACHE_DIT_OPD_ADDRESS=d.address)
+        r = fx.run_python(code, timeout=120, **env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r2 = fx.run_python(code.replace("import os,", "import os; os.environ['CACHE_DIT_OPD_NATIVE'] = '0'; import"),
+                           timeout=120, **env)
+        assert r2.returncode == 0 and "native False" in r2.stdout, r2.stdout + r2.stderr
+        after = scrape(port)
+
+        def delta(**labels):
+            return (sample(after, "cache_dit_opd_calls_total", **labels) or 0) - (
+                sample(before, "cache_dit_opd_calls_total", **labels) or 0)
+
+        # Each run: 7 + 11 .out calls of the quantizer and 5 functional ones (each one .out call), 5 dequants;
+        # the rejected call is refused in the client (its Meta check), so the daemon never sees it. Run 1
+        # goes through the ring where the engine is built, run 2 over host-ordered gRPC.
+        quant = [delta(op="fp8_comm_per_token_quant", overload="out", transport=t) for t in ("ring", "grpc")]
+        dequant = [delta(op="fp8_comm_per_token_dequant", overload="out", transport=t) for t in ("ring", "grpc")]
+        assert sum(quant) == 2 * 23 and sum(dequant) == 2 * 5, (quant, dequant)
+        if "native True" in r.stdout:
+            assert quant == [23, 23] and dequant == [5, 5], (quant, dequant)
+        st = opdctl_json("--address", str(d.socket), "stats")["stats"]
+        for o in st["ops"]:
+            labels = dict(op=o["name"], overload=o.get("overload", ""), transport=o["transport"])
+            assert sample(after, "cache_dit_opd_calls_total", **labels) == o["calls"], (labels, o)
+    finally:
+        d.stop()
