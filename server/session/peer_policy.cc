@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -14,17 +15,28 @@ PeerPolicy PeerPolicy::ForThisProcess(std::optional<gid_t> allowed_gid) {
   return PeerPolicy(geteuid(), allowed_gid);
 }
 
+namespace {
+std::string GroupList(const std::vector<gid_t>& groups) {
+  std::string out = "[";
+  for (size_t i = 0; i < groups.size(); ++i) out += (i ? ", " : "") + std::to_string(groups[i]);
+  return out + "]";
+}
+}  // namespace
+
 Status PeerPolicy::Admit(const PeerCred& peer) const {
   if (peer.uid == own_uid_) return Status::Ok();
-  if (allowed_gid_ && peer.gid == *allowed_gid_) return Status::Ok();
+  if (allowed_gid_ && (peer.gid == *allowed_gid_ ||
+                       std::find(peer.groups.begin(), peer.groups.end(), *allowed_gid_) != peer.groups.end())) {
+    return Status::Ok();
+  }
   if (allowed_gid_) {
     return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " (uid ", peer.uid, ", gid ", peer.gid,
-                                    ") is neither the daemon's uid ", own_uid_, " nor in --allowed-gid ",
-                                    *allowed_gid_);
+                            ", groups ", GroupList(peer.groups), ") is neither the daemon's uid ", own_uid_,
+                            " nor in --allowed-gid ", *allowed_gid_);
   }
   return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " (uid ", peer.uid, ", gid ", peer.gid,
-                                  ") is not the daemon's uid ", own_uid_,
-                                  "; start the daemon with --allowed-gid to admit a group");
+                          ") is not the daemon's uid ", own_uid_,
+                          "; start the daemon with --allowed-gid to admit a group");
 }
 
 Status PeerPolicy::AdmitAdmin(const PeerCred& peer) const {
@@ -39,8 +51,22 @@ Status ReadPeerCred(int fd, PeerCred* out) {
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
     return Status::Internal("getsockopt(SO_PEERCRED): ", std::strerror(errno));
   }
-  *out = PeerCred{cred.pid, cred.uid, cred.gid};
-  return Status::Ok();
+  *out = PeerCred{cred.pid, cred.uid, cred.gid, {}};
+  // The kernel answers ERANGE with the size it needs (the peer's groups are
+  // fixed at connect(), so the second call fits).
+  std::vector<gid_t> groups(16);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    socklen_t glen = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &glen) == 0) {
+      groups.resize(glen / sizeof(gid_t));
+      out->groups = std::move(groups);
+      return Status::Ok();
+    }
+    if (errno == ENOPROTOOPT) return Status::Ok();  // before Linux 4.13: the primary gid alone decides
+    if (errno != ERANGE) return Status::Internal("getsockopt(SO_PEERGROUPS): ", std::strerror(errno));
+    groups.resize(glen / sizeof(gid_t));
+  }
+  return Status::Internal("getsockopt(SO_PEERGROUPS): the group list kept growing");
 }
 
 Status InnermostPid(pid_t pid, pid_t* out) {

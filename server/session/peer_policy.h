@@ -2,15 +2,18 @@
 //
 // Who may bind a session on the session channel. The peer's identity comes
 // from SO_PEERCRED (the kernel's record of the connecting process, not
-// anything the peer says). Admitted: the daemon's own uid, or, when
-// --allowed-gid is given, a peer whose gid equals it. The pid is checked
-// separately against OpenSession's client_pid (SessionManager::Bind).
+// anything the peer says) and its groups from SO_PEERGROUPS. Admitted: the
+// daemon's own uid, or, when --allowed-gid is given, a peer that has that
+// group as its primary or as a supplementary group (as file permissions
+// would). The pid is checked separately against OpenSession's client_pid
+// (SessionManager::Bind).
 #pragma once
 
 #include <sys/types.h>
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -19,7 +22,8 @@ namespace cache_dit_opd {
 struct PeerCred {
   pid_t pid = 0;
   uid_t uid = 0;
-  gid_t gid = 0;
+  gid_t gid = 0;              // effective, primary
+  std::vector<gid_t> groups;  // supplementary, as the kernel recorded them at connect()
 };
 
 class PeerPolicy {
@@ -28,7 +32,7 @@ class PeerPolicy {
   // The daemon's effective uid and --allowed-gid.
   static PeerPolicy ForThisProcess(std::optional<gid_t> allowed_gid);
 
-  // PERMISSION_DENIED naming the peer's pid, uid and gid when not admitted.
+  // PEER_REFUSED naming the peer's pid, uid, gid and groups when not admitted.
   Status Admit(const PeerCred& peer) const;
   // Admin requests (drain): root or the daemon's own uid only; --allowed-gid
   // admits clients, not operators.
@@ -42,7 +46,9 @@ class PeerPolicy {
   std::optional<gid_t> allowed_gid_;
 };
 
-// Reads SO_PEERCRED of a connected Unix socket. INTERNAL on failure.
+// Reads SO_PEERCRED and SO_PEERGROUPS of a connected Unix socket (a kernel
+// without SO_PEERGROUPS, before Linux 4.13, leaves `groups` empty). INTERNAL
+// on failure.
 Status ReadPeerCred(int fd, PeerCred* out);
 
 // The pid `pid` (as this process's PID namespace numbers it) has in its own,

@@ -23,6 +23,7 @@
 // not bound yet), with the reason each rule names, recomputed here from a
 // model of the sessions; a bind succeeds at most once per session, hands
 // back that session bound to that peer, and runs the bind hook once.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -78,7 +79,9 @@ std::optional<Reason> Expected(std::string_view bytes, const PeerCred& peer, boo
   std::memcpy(&req, bytes.data(), sizeof(req));
   if (req.magic != v1::kBindRequestMagic) return Reason::kMalformed;
   if (req.protocol_version != v1::kProtocolVersion) return Reason::kVersionMismatch;
-  if (peer.uid != kOwnUid && !(allowed_gid && peer.gid == kAllowedGid)) return Reason::kPeerRefused;
+  const bool in_group = peer.gid == kAllowedGid ||
+                        std::find(peer.groups.begin(), peer.groups.end(), kAllowedGid) != peer.groups.end();
+  if (peer.uid != kOwnUid && !(allowed_gid && in_group)) return Reason::kPeerRefused;
   auto it = sessions.find(req.session_id);
   if (it == sessions.end() || it->second.state == Model::kGone) return Reason::kSessionUnknown;
   const SessionToken& token = it->second.session->token();
@@ -151,8 +154,10 @@ void Run(const uint8_t* data, size_t size) {
       }
       std::memcpy(msg.data(), &req, sizeof(req));
     }
+    // Bit 16: the allowed group among the supplementary ones.
     const PeerCred peer{static_cast<pid_t>(100 + (who & 3)), (who & 4) ? kOwnUid : kOwnUid + 1,
-                        (who & 8) ? kAllowedGid : kAllowedGid + 1};
+                        (who & 8) ? kAllowedGid : kAllowedGid + 1,
+                        (who & 16) ? std::vector<gid_t>{kAllowedGid + 7, kAllowedGid} : std::vector<gid_t>{}};
 
     const std::optional<Reason> expected = Expected(msg, peer, allowed_gid, sessions);
     std::shared_ptr<Session> out;

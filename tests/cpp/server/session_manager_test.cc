@@ -1,10 +1,12 @@
 #include "server/session/session_manager.h"
 
 #include <gtest/gtest.h>
+#include <grp.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -226,14 +228,56 @@ TEST_F(SessionManagerTest, AllowedGidAdmitsForeignUid) {
 
 TEST(PeerPolicyTest, Admission) {
   PeerPolicy own(1000, std::nullopt);
-  EXPECT_TRUE(own.Admit({10, 1000, 5}).ok());
-  Status s = own.Admit({10, 1001, 5});
+  EXPECT_TRUE(own.Admit({10, 1000, 5, {}}).ok());
+  Status s = own.Admit({10, 1001, 5, {}});
   EXPECT_EQ(s.code(), StatusCode::kPermissionDenied);
   EXPECT_NE(s.message().find("uid 1001"), std::string::npos);
   EXPECT_NE(s.message().find("--allowed-gid"), std::string::npos);
   PeerPolicy group(1000, 77);
-  EXPECT_TRUE(group.Admit({10, 1001, 77}).ok());
-  EXPECT_EQ(group.Admit({10, 1001, 78}).code(), StatusCode::kPermissionDenied);
+  EXPECT_TRUE(group.Admit({10, 1001, 77, {}}).ok());
+  EXPECT_EQ(group.Admit({10, 1001, 78, {}}).code(), StatusCode::kPermissionDenied);
+  // A supplementary group counts as the primary does.
+  EXPECT_TRUE(group.Admit({10, 1001, 78, {5, 77}}).ok());
+  Status g = group.Admit({10, 1001, 78, {5, 6}});
+  EXPECT_EQ(g.code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(g.message().find("gid 78, groups [5, 6]"), std::string::npos) << g.message();
+}
+
+// What the kernel reports of a peer: its groups at connect() time, read back
+// through ReadPeerCred (a child sets its supplementary groups, then connects).
+TEST(PeerPolicyTest, ReadPeerCredReportsSupplementaryGroups) {
+  if (geteuid() != 0) GTEST_SKIP() << "setgroups needs root";
+  int listener = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string path = "/tmp/opd-peergroups-" + std::to_string(getpid()) + ".sock";
+  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+  unlink(path.c_str());
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 1), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const gid_t groups[] = {4242, 4243};
+    int c = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+    if (setgroups(2, groups) != 0 || connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) _exit(1);
+    char b;
+    (void)!read(c, &b, 1);  // until the parent has read the credentials and closed
+    _exit(0);
+  }
+  int conn = accept(listener, nullptr, nullptr);
+  ASSERT_GE(conn, 0);
+  PeerCred cred;
+  ASSERT_TRUE(ReadPeerCred(conn, &cred).ok());
+  close(conn);
+  close(listener);
+  unlink(path.c_str());
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_EQ(cred.pid, child);
+  EXPECT_EQ(cred.groups, (std::vector<gid_t>{4242, 4243}));
+  EXPECT_TRUE(PeerPolicy(12345, 4243).Admit(cred).ok());
 }
 
 TEST_F(SessionManagerTest, UnboundSessionIsDroppedAfterBindTimeout) {
