@@ -24,7 +24,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
 import urllib.error
 import urllib.request
 
@@ -298,62 +297,6 @@ def test_opdctl_drain_refused_for_another_uid_then_drains_for_the_daemons_uid():
         assert j["draining"] is True
         assert d.proc.wait(timeout=30) == 0, d.log_tail()
         assert "drain requested by pid" in d.log_tail(20000)
-    finally:
-        d.stop()
-
-
-def _bind_as(d, groups: list[int], uid: int = 65534):
-    """Binds a session from a forked child that drops to ``uid`` with supplementary ``groups`` first: the
-    parent opens the session for the child's pid over gRPC; the child only speaks on the session channel
-    (plain sockets: no gRPC after fork). Returns the bind reply's (status code, reason name)."""
-    from_parent, to_child = os.pipe()
-    from_child, to_parent = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(to_child)
-            os.close(from_child)
-            path, session_id, token = json.loads(os.read(from_parent, 4096))
-            os.setgroups(groups)
-            os.setgid(uid)
-            os.setuid(uid)
-            r = types.SimpleNamespace(session_channel_path=path, session_id=session_id, token=bytes.fromhex(token))
-            channel_only = Peer.__new__(Peer)  # no gRPC channel in the child
-            channel_only.socks = []
-            code, reason = channel_only.bind(r)
-            os.write(to_parent, json.dumps([code, reason]).encode())
-        except BaseException as e:  # the parent fails with it
-            os.write(to_parent, json.dumps(["child", repr(e)]).encode())
-        finally:
-            os._exit(0)
-    os.close(from_parent)
-    os.close(to_parent)
-    p = Peer(d)
-    try:
-        r = p.open(client_pid=pid)
-        os.write(to_child, json.dumps([r.session_channel_path, r.session_id, bytes(r.token).hex()]).encode())
-        reply = os.read(from_child, 4096)
-        os.waitpid(pid, 0)
-    finally:
-        p.close()
-        os.close(to_child)
-        os.close(from_child)
-    code, reason = json.loads(reply)
-    assert code != "child", reason
-    return code, _errors.reason_name(reason) if code else "OK"
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
-def test_allowed_gid_admits_a_supplementary_member_and_names_the_groups_it_refuses():
-    """--allowed-gid admits a client that has the group only as a supplementary one (SO_PEERGROUPS), as file
-    permissions would; another uid without it is refused PEER_REFUSED, and the log names its groups."""
-    d = fx.daemon(None, "--metrics-address", "", "--allowed-gid", "4242")
-    try:
-        _open_to_everyone(d)
-        assert _bind_as(d, [4242]) == (0, "OK")
-        assert _bind_as(d, [4243, 4244])[1] == "PEER_REFUSED"
-        assert "gid 65534, groups [4243, 4244]) is neither the daemon's uid" in d.log_tail(20000)
-        assert d.alive() and d.version().serving
     finally:
         d.stop()
 
