@@ -16,16 +16,16 @@ import torch
 from torch import nn
 
 from . import kernels
+from ._svdquant import _BLOCK_N, _GROUP, _K_ALIGN, _RANK_ALIGN  # kernels/svdq/svdq.h's shape rules
 
 __all__ = ["SVDQW4A4Linear", "load_quantized", "load_safetensors"]
 
-_ALIGN, _GROUP, _RANK_ALIGN = 128, 64, 16  # kernels/svdq/svdq.h: N, K multiples of 128; 64-groups; R of 16
 _PAD_ROWS = 256  # rows of the activation quantizer's outputs: M padded to a multiple (its default)
 _FP4_KEYS = ("wcscales", "wtscale")
 
 
-def _padded(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _padded(n: int, align: int = _K_ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 class SVDQW4A4Linear(nn.Module):
@@ -53,7 +53,7 @@ class SVDQW4A4Linear(nn.Module):
         if torch_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"SVDQW4A4Linear: torch_dtype must be torch.float16 or torch.bfloat16, got {torch_dtype}")
         self.in_features, self.out_features, self.rank, self.torch_dtype = in_features, out_features, rank, torch_dtype
-        k, n = _padded(in_features), _padded(out_features)
+        k, n = _padded(in_features), _padded(out_features, _BLOCK_N)
 
         def param(*shape, dtype=torch_dtype):
             return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
@@ -87,10 +87,11 @@ class SVDQW4A4Linear(nn.Module):
         n, k = qweight.shape[0], qweight.shape[1] * 2
         m = cls(in_features or k, out_features or n, rank=proj_up.shape[1], bias=prefix + "bias" in state_dict,
                 torch_dtype=wscales.dtype, device=device)
-        if (_padded(m.in_features), _padded(m.out_features)) != (k, n):
+        k_pad, n_pad = _padded(m.in_features), _padded(m.out_features, _BLOCK_N)
+        if (k_pad, n_pad) != (k, n):
             raise ValueError(f"SVDQW4A4Linear: in_features {m.in_features} / out_features {m.out_features} "
-                             f"pad to {_padded(m.in_features)} / {_padded(m.out_features)}, but '{prefix}qweight' "
-                             f"{tuple(qweight.shape)} holds {k} / {n}")
+                             f"pad to {k_pad} / {n_pad}, but '{prefix}qweight' {tuple(qweight.shape)} holds "
+                             f"{k} / {n}")
         m.load_state_dict({name[len(prefix):]: t for name, t in state_dict.items() if name.startswith(prefix)})
         return m
 

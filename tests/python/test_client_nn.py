@@ -23,7 +23,7 @@ def quantized(in_features, out_features, rank, bias=True, dtype=torch.bfloat16, 
     if bias:
         torch.nn.init.normal_(lin.bias, std=0.1, generator=g)
     lin = lin.to(dtype)
-    k, n = opd_nn._padded(in_features), opd_nn._padded(out_features)
+    k, n = opd_nn._padded(in_features), opd_nn._padded(out_features, opd_nn._BLOCK_N)
     w = torch.zeros(n, k)
     w[:out_features, :in_features] = lin.weight.float()
     b = None
@@ -139,13 +139,6 @@ def test_bad_safetensors_files_are_refused_naming_the_file(tmp_path):
 
 
 # -- on the GPU, through the daemon ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gpu_daemon():
-    d = fx.daemon(None, fake=False)
-    yield d
-    d.stop()
 
 
 @pytest.mark.gpu

@@ -301,13 +301,6 @@ def test_cache_dits_ptq_checkpoints_are_read_right_by_the_reference():
     """))
 
 
-@pytest.fixture(scope="module")
-def gpu_daemon():
-    d = fx.daemon(None, fake=False)
-    yield d
-    d.stop()
-
-
 @pytest.mark.gpu
 def test_cache_dits_svdquant_mlp_runs_through_the_daemon(gpu_daemon):
     """cache-dit's PTQ on the GPU, its SVDQW4A4Linear forward after enable(): rank 0 equals the
