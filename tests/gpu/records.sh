@@ -8,7 +8,7 @@
 #          (cache-dit's SVDQuant PTQ of a small FLUX transformer, through the
 #          daemon vs BF16) -> $OUT/cache-dit-svdquant.md
 # bench    bench/run.sh --quick, while `cache-dit-opdctl status` and `sessions`
-#          of the benchmark's daemon are read every 10 s ($OUT/opdctl.txt);
+#          of the benchmark's daemon are read every 2 s ($OUT/opdctl.txt);
 #          its /metrics and GetStats are read at the end of the run, and the
 #          per-op call counts of the two are compared ($OUT/metrics-vs-stats.txt)
 # The dependencies are set up as tests/gpu/run.sh does (offline prefix, test
@@ -52,7 +52,7 @@ for step in "${STEPS[@]}"; do
       rm -rf "$sock_dir"
       ;;
     bench)
-      say "bench: bench/run.sh --quick with opdctl every 10 s"
+      say "bench: bench/run.sh --quick with opdctl every 2 s"
       bench/run.sh --quick --build "$BUILD_DIR" --out "$OUT" --no-readme --daemon-args "--metrics-address 127.0.0.1:9464" \
         > "$OUT/bench.log" 2>&1 &
       bpid=$!
@@ -61,13 +61,17 @@ for step in "${STEPS[@]}"; do
       while kill -0 "$bpid" 2> /dev/null; do
         sock="$(find /tmp -maxdepth 2 -path '/tmp/cdo-bench-*' -name opd.sock 2> /dev/null | head -n 1)"
         if [ -n "$sock" ]; then
-          { echo "== $(date -u +%T) status"; "$OPDCTL" --address "$sock" status
-            echo "== $(date -u +%T) sessions"; "$OPDCTL" --address "$sock" sessions; } >> "$OUT/opdctl.txt" 2>&1
+          # The benchmark's sessions live a few seconds each: sample every 2 s, keep a sample
+          # that shows an open session, and one in five of the others.
+          sample="$({ echo "== $(date -u +%T) status"; "$OPDCTL" --address "$sock" status
+                      echo "== $(date -u +%T) sessions"; "$OPDCTL" --address "$sock" sessions; } 2>&1)"
+          n=$((${n:-0} + 1))
+          if ! grep -q "(no session)" <<< "$sample" || [ $((n % 5)) -eq 1 ]; then echo "$sample" >> "$OUT/opdctl.txt"; fi
           # What both counters say near the end: the last reading before the daemon stops.
           "$PY" tests/gpu/metrics_vs_stats.py "$sock" 127.0.0.1:9464 > "$OUT/metrics-vs-stats.tmp" 2>&1 &&
             mv "$OUT/metrics-vs-stats.tmp" "$OUT/metrics-vs-stats.txt" && last="$sock"
         fi
-        sleep 10
+        sleep 2
       done
       wait "$bpid" || { RC=1; say "bench failed"; }
       tail -n 30 "$OUT/bench.log"

@@ -15,7 +15,9 @@
 # - Builds with deploy/build.sh into ${CACHE_DIT_GPU_BUILD_DIR:-<repo>/build-gpu}
 #   (installs nothing), then runs `ctest` (all labels, gpu included) and
 #   `python3 -m pytest` on tests/kernels and tests/python (one process each,
-#   CACHE_DIT_GPU_SUITES overrides) with CACHE_DIT_OPD_BUILD_DIR set.
+#   CACHE_DIT_GPU_SUITES overrides) with CACHE_DIT_OPD_BUILD_DIR set;
+#   CACHE_DIT_GPU_CTEST_ARGS / CACHE_DIT_GPU_PYTEST_ARGS add arguments to each
+#   (`-L gpu` / `-m gpu`: only the tests CI cannot run).
 # - Logs and JUnit files go to ${OUT:-<build dir>/results}.
 # The last line is `N passed, N failed, N skipped` counted from both JUnit
 # files (errors count as failed). Exit status is non-zero when anything failed
@@ -30,7 +32,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --prefix) [ $# -ge 2 ] || { echo "tests/gpu/run.sh: --prefix needs a folder" >&2; exit 2; }; DEBS="$2"; shift 2 ;;
     --prefix=*) DEBS="${1#--prefix=}"; shift ;;
-    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "tests/gpu/run.sh: unknown argument '$1' (usage: tests/gpu/run.sh [--prefix DEBS_DIR])" >&2; exit 2 ;;
   esac
 done
@@ -109,7 +111,8 @@ say "built in $((SECONDS - START)) s"
 
 # ---- tests --------------------------------------------------------------------
 say "== ctest (all labels)"
-ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error \
+# shellcheck disable=SC2086 # word splitting of the extra arguments is intended
+ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error ${CACHE_DIT_GPU_CTEST_ARGS-} \
   --output-junit "$RESULTS/ctest.xml" 2>&1 | tee "$RESULTS/ctest.log"
 CTEST_RC=${PIPESTATUS[0]}
 
@@ -121,7 +124,8 @@ JUNIT=("$RESULTS/ctest.xml" "$CTEST_RC")
 for suite in ${CACHE_DIT_GPU_SUITES:-tests/kernels tests/python}; do
   say "== pytest $suite"
   name="$(basename "$suite")"
-  "$PY" -m pytest "$suite" -q -rs --junitxml="$RESULTS/pytest-$name.xml" 2>&1 | tee "$RESULTS/pytest-$name.log"
+  # shellcheck disable=SC2086
+  "$PY" -m pytest "$suite" -q -rs --durations=15 ${CACHE_DIT_GPU_PYTEST_ARGS-} --junitxml="$RESULTS/pytest-$name.xml" 2>&1 | tee "$RESULTS/pytest-$name.log"
   JUNIT+=("$RESULTS/pytest-$name.xml" "${PIPESTATUS[0]}")
 done
 
