@@ -47,6 +47,7 @@ APT_PACKAGES=(
   python3-venv
   clang libclang-rt-dev
   prometheus-cpp-dev
+  nlohmann-json3-dev
 )
 PY_REQUIREMENTS=(
   "${CACHE_DIT_TORCH_SPEC:-torch==2.11.*}"

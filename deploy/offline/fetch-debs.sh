@@ -29,6 +29,7 @@ ROOTS=(
   libgtest-dev libgmock-dev googletest
   pkgconf
   prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb-dev libcivetweb1
+  nlohmann-json3-dev
 )
 
 # Packages left out of the closure, and why. Every Debian 12 / Ubuntu 24.04

@@ -11,7 +11,7 @@
 # Budget       : --seconds N per target (libFuzzer -max_total_time; default 20,
 #                the CI run) or --runs N inputs per target (-runs).
 # Targets      : ring_record_fuzz call_proto_fuzz dispatch_fuzz bind_request_fuzz
-#                bind_reply_fuzz session_header_fuzz (default: all; dispatch_fuzz
+#                bind_reply_fuzz session_header_fuzz safetensors_fuzz (default: all; dispatch_fuzz
 #                only where the Python at ${CACHE_DIT_PYTHON:-<repo>/.venv/bin/python}
 #                imports torch).
 # The committed corpus (tests/fuzz/corpus/<target>/) is copied to a scratch
@@ -26,7 +26,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${CACHE_DIT_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
-ALL=(ring_record_fuzz call_proto_fuzz dispatch_fuzz bind_request_fuzz bind_reply_fuzz session_header_fuzz)
+ALL=(ring_record_fuzz call_proto_fuzz dispatch_fuzz bind_request_fuzz bind_reply_fuzz session_header_fuzz safetensors_fuzz)
 SECONDS_EACH=20
 RUNS=""
 TARGETS=()

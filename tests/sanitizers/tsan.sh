@@ -11,7 +11,7 @@
 #                everything after `--` goes to ctest (e.g. -R '^server\.Ring').
 #
 # What is built: -DCACHE_DIT_SANITIZE=thread (cmake/OpdTargets.cmake), Release
-# (-O3 -g), and only two test executables and their dependencies:
+# (-O3 -g), and only three test executables and their dependencies:
 #   opd_server_tests  ctest server.*  executor (ExecutorTest, LaunchAheadTest),
 #                     ring (Ring*Test), session manager, region registry, peer
 #                     policy, the gRPC service in-process (DaemonServiceTest),
@@ -20,6 +20,8 @@
 #   opd_client_test   ctest client.*  lanes (LanesTest, Semaphores), session
 #                     channel, session memory (SessionMapping, TensorRef),
 #                     regions (RegionCacheTest), discovery
+#   opd_store_tests   ctest server.*  the weight store (WeightStoreTest: sets
+#                     published concurrently) and its safetensors reader
 # The kernel library, torch and the Python client's native engine are off
 # (-DCACHE_DIT_BUILD_KERNELS=OFF -DCACHE_DIT_BUILD_NATIVE_CLIENT=OFF): none of
 # these suites needs them. Not run: the "gpu" label, server.daemon_process
@@ -62,7 +64,7 @@ case "$BUILD_DIR" in /*) ;; *) BUILD_DIR="$PWD/$BUILD_DIR" ;; esac
 [ -n "$JUNIT" ] || JUNIT="$BUILD_DIR/test-results/ctest-tsan.xml"
 case "$JUNIT" in /*) ;; *) JUNIT="$PWD/$JUNIT" ;; esac
 SUPP="$ROOT/tests/sanitizers/tsan.supp"
-TARGETS=(opd_server_tests opd_client_test)
+TARGETS=(opd_server_tests opd_client_test opd_store_tests)
 
 # nvcc is often installed but not on PATH; CMake's CUDAToolkit wants it.
 if ! command -v nvcc > /dev/null && [ -z "${CUDACXX-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
@@ -97,7 +99,7 @@ mkdir -p "$(dirname "$JUNIT")"
 rm -f "$JUNIT"
 t1=$SECONDS
 echo "tsan.sh: ctest under TSan (TSAN_OPTIONS=$TSAN_OPTIONS)"
-# Only the two executables above were built: select their tests by prefix
+# Only the executables above were built: select their tests by prefix
 # (server.gpu.* and client_gpu.* carry the gpu label). Left out: see above.
 EXCLUDE='^(server\.(daemon_process|no_libcuda)$|client\.EngineTest\.|server\.MemoryTrimmerTest\.FreedMemoryHeld)'
 ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j "$(nproc)" \
