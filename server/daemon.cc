@@ -351,6 +351,9 @@ void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
   sink.submit_rejected = [this, id, token](uint32_t lane, uint64_t seq, Status reason, Executor::Completion done) {
     CallRejected(id, token, lane, seq, std::move(reason), std::move(done));
   };
+  sink.count_unnumbered = [this](const Status& reason) {
+    stats_.Count(stats_.per_op.other_row(), CallTransport::kRing, reason);
+  };
   // Seen on the executor's thread, which ending the session waits for: post.
   sink.on_violation = [this, id](const Status& why) {
     if (!reaper_->Post([this, id, why] { sessions_->End(id, why); })) {

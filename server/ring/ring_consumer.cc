@@ -224,9 +224,13 @@ void RingConsumer::Process(uint64_t ticket, const uint8_t* copy) {
   }
   if (usable) {
     sink_.submit_rejected(lane, seq, std::move(s), std::move(done));
-  } else {
-    done(s);
+    return;
   }
+  // Counted like any rejection (the session's errors, the per-op metrics)
+  // before its answer, as Executor::Record does for the others.
+  session_->errors.fetch_add(1, std::memory_order_relaxed);
+  if (sink_.count_unnumbered) sink_.count_unnumbered(s);
+  done(s);
 }
 
 }  // namespace cache_dit_opd

@@ -84,6 +84,10 @@ class RingConsumer final : public CallSource {
     // A malformed record whose header names `lane` and `seq`; `reason` is
     // the decode error (Daemon::CallRejected).
     std::function<void(uint32_t lane, uint64_t seq, Status reason, Completion)> submit_rejected;
+    // A malformed record whose header cannot be trusted (no lane or seq to
+    // complete): counted here (the per-op row of unknown ops), answered by the
+    // consumer in the completion ring only. May be empty (then not counted).
+    std::function<void(const Status& reason)> count_unnumbered;
     // A protocol violation (absurd sq_tail). Called once, on the consumer
     // thread, which then stops taking records. Must not call Stop() inline.
     std::function<void(const Status& why)> on_violation;

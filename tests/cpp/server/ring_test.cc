@@ -1192,6 +1192,7 @@ TEST_F(RingDaemonTest, OffersTheRingAndServesCallsThroughIt) {
   client.Publish(RecordBuilder(0, 0, 1).Int(1));
   client.Publish(RecordBuilder(0, 0, 2).Int(2).Nargs(99));  // malformed: still completes seq 2 in order
   client.Publish(RecordBuilder(0, 1, 5));                   // out of order on lane 1
+  client.Publish(RecordBuilder(0, 0, 3).Magic(0x12345678)); // no usable header: no lane, counted all the same
   v1::CompletionRecord c{};
   ASSERT_TRUE(client.Wait(0, &c));
   EXPECT_EQ(c.status_code, 0) << c.message;
@@ -1201,13 +1202,16 @@ TEST_F(RingDaemonTest, OffersTheRingAndServesCallsThroughIt) {
   ASSERT_TRUE(client.Wait(2, &c));
   EXPECT_EQ(c.status_code, 3);
   EXPECT_NE(std::string(c.message).find("expected seq 1, got 5"), std::string::npos) << c.message;
+  ASSERT_TRUE(client.Wait(3, &c));
+  EXPECT_EQ(c.status_code, 3);
+  EXPECT_NE(std::string(c.message).find("magic 0x12345678"), std::string::npos) << c.message;
   ASSERT_TRUE(WaitUntil([&] { return b.done(0) == 2; }));
   EXPECT_EQ(b.done(1), 0u);
   StatsSnapshot stats;
-  ASSERT_TRUE(WaitUntil([&] {  // counted right after the "done" write
-    EXPECT_TRUE(daemon_->GetStats(0, "", &stats).ok());
-    return stats.errors == 2;
-  }));
+  // Each rejection is counted before its answer (Executor::Record; the
+  // consumer for the one without a lane): every answer has been read.
+  ASSERT_TRUE(daemon_->GetStats(0, "", &stats).ok());
+  EXPECT_EQ(stats.errors, 3u);
   EXPECT_EQ(stats.calls, 1u);
   // The per-op rows say these came through the ring (the undecodable one
   // under the row of names the catalog does not hold).
@@ -1218,7 +1222,7 @@ TEST_F(RingDaemonTest, OffersTheRingAndServesCallsThroughIt) {
     ring_rejections += o.rejections;
   }
   EXPECT_EQ(ring_calls, 1u);
-  EXPECT_EQ(ring_rejections, 2u);
+  EXPECT_EQ(ring_rejections, 3u);
 
   // The same client without the ring: plain layout.
   Bound& plain = OpenAndBind(/*want_ring=*/false);
