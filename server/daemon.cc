@@ -56,6 +56,10 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
       PeerPolicy::ForThisProcess(options_.allowed_gid),
       [this](const std::shared_ptr<Session>& s, const Status& reason) { OnSessionEnd(s, reason); },
       [this](const std::shared_ptr<Session>& s) { OnSessionBound(s); });
+  if (deps_.store_allocator != nullptr && options_.max_store_bytes > 0) {
+    store_ = std::make_unique<server::WeightStore>(deps_.store_allocator, options_.max_store_bytes,
+                                                   options_.allowed_gid);
+  }
   channel_ = std::make_unique<SessionChannel>(session_socket_, sessions_.get());
   channel_->SetAdminHandler([this](v1::AdminCommand, const PeerCred& peer) {
     OPD_RETURN_IF_ERROR(PeerPolicy::ForThisProcess(options_.allowed_gid).AdmitAdmin(peer));
@@ -252,6 +256,83 @@ void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t 
   executor_->SubmitRejected(s, lane, seq, std::move(reason), std::move(done));
 }
 
+Status Daemon::Store(server::WeightStore** out) const {
+  if (store_) {
+    *out = store_.get();
+    return Status::Ok();
+  }
+  if (deps_.store_allocator == nullptr) {
+    return Status::Rejected(Reason::kNotServing, "the weight store needs the daemon's GPU: ",
+                            not_serving_reason().empty() ? "this device backend has no store memory" : not_serving_reason());
+  }
+  return Status::Rejected(Reason::kResourceExhausted,
+                          "the weight store is off: start the daemon with --max-store-bytes SIZE (e.g. 16G)");
+}
+
+void Daemon::PublishFile(uint64_t session_id, std::string_view token, server::PublishFileParams params,
+                         std::function<void(const Status&, const StoreListing&)> done) {
+  server::WeightStore* store = nullptr;
+  std::shared_ptr<Session> s;
+  Status st = Store(&store);
+  if (st.ok()) st = sessions_->Authorize(session_id, token, /*require_bound=*/true, &s);
+  if (st.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    st = NotServingLocked();
+  }
+  if (!st.ok()) {
+    done(st, StoreListing{});
+    return;
+  }
+  const PeerCred owner = s->peer();
+  auto task = [this, store, owner, params = std::move(params), done]() {
+    StoreListing listing;
+    Status ps = server::PublishFile(*store, owner, params, &listing.entries);
+    listing.used_bytes = store->used_bytes();
+    listing.max_bytes = store->max_bytes();
+    if (ps.ok()) {
+      spdlog::info("store: uid {} published {} tensors from {} under '{}' ({} of {} bytes in use)", owner.uid,
+                   listing.entries.size(), params.path, params.prefix, listing.used_bytes, listing.max_bytes);
+    } else {
+      static LogThrottle refused(10, std::chrono::seconds(10));
+      if (const auto v = refused.Next(); v.log) {
+        spdlog::warn("store: publish of {} by uid {} refused: {}{}", params.path, owner.uid, ps.ToString(),
+                     SuppressedNote(v.suppressed));
+      }
+    }
+    done(ps, listing);
+  };
+  if (!store_worker_.Post(std::move(task))) {
+    done(Status::Rejected(Reason::kDraining, "the daemon is shutting down"), StoreListing{});
+  }
+}
+
+Status Daemon::ListStore(uint64_t session_id, std::string_view token, std::string_view prefix,
+                         StoreListing* out) const {
+  server::WeightStore* store = nullptr;
+  OPD_RETURN_IF_ERROR(Store(&store));
+  PeerCred who;
+  who.uid = 0;  // session 0: the operator's view
+  if (session_id != 0) {
+    std::shared_ptr<Session> s;
+    OPD_RETURN_IF_ERROR(sessions_->Authorize(session_id, token, /*require_bound=*/true, &s));
+    who = s->peer();
+  }
+  out->entries = store->List(who, prefix);
+  out->used_bytes = store->used_bytes();
+  out->max_bytes = store->max_bytes();
+  return Status::Ok();
+}
+
+Status Daemon::DeleteStore(uint64_t session_id, std::string_view token, std::string_view name) {
+  server::WeightStore* store = nullptr;
+  OPD_RETURN_IF_ERROR(Store(&store));
+  std::shared_ptr<Session> s;
+  OPD_RETURN_IF_ERROR(sessions_->Authorize(session_id, token, /*require_bound=*/true, &s));
+  OPD_RETURN_IF_ERROR(store->Delete(s->peer(), name));
+  spdlog::info("store: uid {} deleted '{}'", s->peer().uid, name);
+  return Status::Ok();
+}
+
 Status Daemon::GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const {
   return Snapshot(session_id, token, /*latency=*/true, out);
 }
@@ -277,6 +358,11 @@ Status Daemon::Snapshot(uint64_t session_id, std::string_view token, bool latenc
   out->calls = stats_.calls.load();
   out->errors = stats_.errors.load();
   out->sessions_closed = stats_.sessions_closed.load();
+  if (store_) {
+    out->store_entries = store_->entries();
+    out->store_bytes = store_->used_bytes();
+    out->store_max_bytes = store_->max_bytes();
+  }
   if (latency) {
     stats_.call_latency_us.Percentiles(&out->call_p50_us, &out->call_p99_us);
     for (const auto& [name, reservoir] :
@@ -480,6 +566,7 @@ void Daemon::Drain() {
 
 void Daemon::Stop() {
   StopRings();
+  store_worker_.Stop();  // a publish in progress finishes first
   if (channel_) channel_->Stop();
   if (executor_) executor_->Stop();
   if (reaper_) reaper_->Stop();

@@ -45,6 +45,8 @@
 #include "server/session/region_registry.h"
 #include "server/session/session_channel.h"
 #include "server/session/session_manager.h"
+#include "server/store/publish_file.h"
+#include "server/store/weight_store.h"
 
 namespace cache_dit_opd {
 
@@ -80,6 +82,15 @@ struct DaemonDeps {
   DeviceOps* device_ops = nullptr;
   RegionOpener* opener = nullptr;
   CallRunner* runner = nullptr;
+  // The weight store's memory; null: the store is off (its RPCs say so).
+  StoreAllocator* store_allocator = nullptr;
+};
+
+// The weight store as ListStore reports it.
+struct StoreListing {
+  std::vector<server::StoreEntryInfo> entries;
+  uint64_t used_bytes = 0;
+  uint64_t max_bytes = 0;
 };
 
 struct OpenSessionResult {
@@ -132,6 +143,9 @@ struct StatsSnapshot {
   double call_p50_us = 0;
   double call_p99_us = 0;
   uint64_t sessions_closed = 0;
+  uint64_t store_entries = 0;  // the weight store (all 0 when it is off)
+  uint64_t store_bytes = 0;
+  uint64_t store_max_bytes = 0;
   std::vector<SessionStatsEntry> sessions_detail;
   struct Stage {
     std::string name;
@@ -175,6 +189,13 @@ class Daemon {
   void CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq, Status reason,
                     Executor::Completion done);
   Status GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const;
+  // The weight store (server/store/). PublishFile completes on the store's
+  // thread; the owner and the reader of an entry is the bound session's peer.
+  void PublishFile(uint64_t session_id, std::string_view token, server::PublishFileParams params,
+                   std::function<void(const Status&, const StoreListing&)> done);
+  // session_id 0: every entry (the operator's view, as GetStats(0)).
+  Status ListStore(uint64_t session_id, std::string_view token, std::string_view prefix, StoreListing* out) const;
+  Status DeleteStore(uint64_t session_id, std::string_view token, std::string_view name);
   // GetStats of every session without what takes the call path's locks
   // (the latency reservoirs) or walks the per-op table: for a scrape.
   StatsSnapshot Gauges() const;
@@ -222,6 +243,8 @@ class Daemon {
   void OnSessionEnd(const std::shared_ptr<Session>& session, const Status& reason);
   void StopRings();
   void OnFatal(const Status& status);
+  // The store, or why there is none (RESOURCE_EXHAUSTED / NOT_SERVING).
+  Status Store(server::WeightStore** out) const;
 
   const Options options_;
   const DaemonInfo info_;
@@ -235,6 +258,8 @@ class Daemon {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<SessionChannel> channel_;
+  std::unique_ptr<server::WeightStore> store_;  // null: no allocator (no GPU) or --max-store-bytes 0
+  server::StoreWorker store_worker_;
 
   mutable std::mutex mu_;
   std::condition_variable shutdown_cv_;

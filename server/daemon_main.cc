@@ -115,7 +115,7 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
     if (Status d = backend.Open(dev, &device_ops, &opener); !d.ok()) {
       not_serving = d.message();
     } else {
-      deps = DaemonDeps{device_ops.get(), opener.get(), backend.runner()};
+      deps = DaemonDeps{device_ops.get(), opener.get(), backend.runner(), backend.store_allocator()};
     }
   }
 

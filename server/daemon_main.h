@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "server/device/device_ops.h"
 #include "server/device/region_opener.h"
+#include "server/device/store_memory.h"
 #include "server/exec/call_runner.h"
 
 namespace cache_dit_opd {
@@ -37,6 +38,9 @@ class DeviceBackend {
   virtual std::vector<OpInfo> ListOps() = 0;
   // Runs the calls; valid once Open succeeded, lives as long as the backend.
   virtual CallRunner* runner() = 0;
+  // The weight store's memory on the opened device (null: no store); valid
+  // once Open succeeded, lives as long as the backend.
+  virtual StoreAllocator* store_allocator() = 0;
 };
 
 // RunDaemon

@@ -7,6 +7,7 @@
 
 #include "server/daemon_main.h"
 #include "server/device/cuda_device_ops.h"
+#include "server/device/cuda_store_allocator.h"
 #include "server/device/device_probe.h"
 #include "server/device/ipc_region_opener.h"
 #include "server/dispatch/torch_call_runner.h"
@@ -30,14 +31,17 @@ class CudaBackend final : public DeviceBackend {
     *opener = std::make_unique<cuda::IpcRegionOpener>(device.index);
     // The device a call without any region tensor (only empty ones) runs on.
     runner_ = std::make_unique<TorchCallRunner>(TorchCallRunner::Device::kCuda, device.index);
+    store_allocator_ = std::make_unique<cuda::CudaStoreAllocator>(device.index);
     return Status::Ok();
   }
   Status LoadOpLibrary(const std::string& path) override { return TorchCallRunner::LoadOpLibrary(path); }
   std::vector<OpInfo> ListOps() override { return TorchCallRunner::ListOps(); }
   CallRunner* runner() override { return runner_.get(); }
+  StoreAllocator* store_allocator() override { return store_allocator_.get(); }
 
  private:
   std::unique_ptr<TorchCallRunner> runner_;  // made by Open, for the opened device
+  std::unique_ptr<cuda::CudaStoreAllocator> store_allocator_;
 };
 
 }  // namespace

@@ -122,6 +122,10 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
       Status s = ParseByteSize(value, &opts->max_mapped_bytes);
       if (!s.ok()) return Status::InvalidArgument("--max-mapped-bytes: ", s.message());
       if (opts->max_mapped_bytes == 0) return Status::InvalidArgument("--max-mapped-bytes: must be > 0");
+    } else if (flag == "--max-store-bytes") {
+      OPD_RETURN_IF_ERROR(next());
+      Status s = ParseByteSize(value, &opts->max_store_bytes);
+      if (!s.ok()) return Status::InvalidArgument("--max-store-bytes: ", s.message());
     } else if (flag == "--max-message-bytes") {
       OPD_RETURN_IF_ERROR(next());
       uint64_t v = 0;
@@ -185,7 +189,7 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
 std::string OptionsUsage() {
   return "usage: cache-dit-opd [--device N] [--socket PATH] [--runtime-dir DIR] [--log-level LEVEL]\n"
          "                     [--max-sessions N] [--max-lanes N] [--max-regions N]\n"
-         "                     [--max-mapped-bytes SIZE] [--max-message-bytes SIZE]\n"
+         "                     [--max-mapped-bytes SIZE] [--max-store-bytes SIZE] [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
          "                     [--spin-us US] [--parking-slots N] [--park-deadline-ms MS]\n"
@@ -214,6 +218,8 @@ std::string OptionsHelp() {
          "  --max-regions N          Mapped regions per session (default 4096); idle regions are\n"
          "                           evicted least recently used first.\n"
          "  --max-mapped-bytes SIZE  Bytes mapped per session (default 1T).\n"
+         "  --max-store-bytes SIZE   Device bytes the weight store may hold for all clients\n"
+         "                           (default 0: no store; e.g. 16G).\n"
          "  --max-message-bytes SIZE Largest gRPC request a client may send (default 64K; the\n"
          "                           largest request of the protocol is ~21K: no tensor travels by\n"
          "                           value). Replies may be up to max(SIZE, 4M). gRPC buffers at most\n"

@@ -47,6 +47,7 @@ constexpr char kUsage[] =
     "                           (0 with --live when it answers), 1 unreachable\n"
     "  sessions                 every session: pid, uid, command, calls, errors, regions, lanes, idle\n"
     "  stats                    counters, stage latencies, calls per op\n"
+    "  store                    the weight store's entries: name, dtype, shape, bytes, owner, users\n"
     "  drain                    stop accepting sessions, finish in-flight calls, exit (root or the\n"
     "                           daemon's uid)\n";
 
@@ -92,7 +93,7 @@ Status ParseArgs(int argc, const char* const* argv, Args* a, bool* help) {
     }
   }
   if (*help) return Status::Ok();
-  static const std::set<std::string> kCommands{"status", "sessions", "stats", "drain"};
+  static const std::set<std::string> kCommands{"status", "sessions", "stats", "store", "drain"};
   if (a->command.empty()) return Status::InvalidArgument("no command given");
   if (!kCommands.count(a->command)) return Status::InvalidArgument("unknown command '", a->command, "'");
   if ((a->all || a->live) && a->command != "status") {
@@ -328,6 +329,11 @@ class Daemon {
     Deadline(&ctx);
     return FromGrpc(stub_->GetStats(&ctx, v1::StatsRequest{}, out), "GetStats on " + addr_.target);
   }
+  Status Store(v1::ListStoreReply* out) {  // session 0: every entry
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    return FromGrpc(stub_->ListStore(&ctx, v1::ListStoreRequest{}, out), "ListStore on " + addr_.target);
+  }
   const DaemonAddress& address() const { return addr_; }
   int timeout_ms() const { return timeout_ms_; }
 
@@ -433,7 +439,7 @@ int RunStatus(const Args& a, const std::vector<DaemonAddress>& daemons, std::ost
   return code;
 }
 
-// ---- sessions, stats, drain -----------------------------------------------------
+// ---- sessions, stats, store, drain --------------------------------------------
 
 int RunSessions(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
   v1::StatsReply s;
@@ -474,6 +480,15 @@ std::string Micros(double us) {
   return s.str();
 }
 
+// --json of one reply: {"address": ..., "<key>": the reply}.
+void PrintReplyJson(const Daemon& d, const char* key, const pb::Message& reply, std::ostream& out) {
+  pb::Value v;
+  auto& f = *v.mutable_struct_value()->mutable_fields();
+  f["address"] = Str(d.address().target);
+  f[key] = ToJson(reply);
+  PrintJson(v, out);
+}
+
 int RunStats(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
   v1::StatsReply s;
   if (Status st = d.Stats(&s); !st.ok()) {
@@ -481,12 +496,8 @@ int RunStats(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
     return kExitFailed;
   }
   if (a.json) {
-    pb::Value v;
-    auto& f = *v.mutable_struct_value()->mutable_fields();
-    f["address"] = Str(d.address().target);
     s.clear_session();  // `sessions` reports those
-    f["stats"] = ToJson(s);
-    PrintJson(v, out);
+    PrintReplyJson(d, "stats", s, out);
     return kExitOk;
   }
   out << s.calls() << " calls run, " << s.errors() << " rejected; " << s.sessions() << " sessions open, "
@@ -508,6 +519,31 @@ int RunStats(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
   }
   PrintTable(ops, out);
   if (s.ops().empty()) out << "(no call yet)\n";
+  return kExitOk;
+}
+
+int RunStore(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
+  v1::ListStoreReply l;
+  if (Status st = d.Store(&l); !st.ok()) {
+    err << "cache-dit-opdctl: " << st.message() << "\n";
+    return kExitFailed;
+  }
+  if (a.json) {
+    PrintReplyJson(d, "store", l, out);
+    return kExitOk;
+  }
+  std::vector<std::vector<std::string>> rows{{"NAME", "DTYPE", "SHAPE", "BYTES", "OWNER", "USERS"}};
+  for (const v1::StoreEntry& e : l.entries()) {
+    std::string shape = "[";
+    for (int i = 0; i < e.shape_size(); ++i) shape += (i ? ", " : "") + std::to_string(e.shape(i));
+    std::string dtype = v1::DType_Name(e.dtype());
+    if (dtype.rfind("DTYPE_", 0) == 0) dtype = dtype.substr(6);
+    rows.push_back({e.name(), dtype, shape + "]", Bytes(e.bytes()), std::to_string(e.owner_uid()),
+                    std::to_string(e.refs())});
+  }
+  PrintTable(rows, out);
+  out << l.entries_size() << " entries; " << Bytes(l.store_bytes()) << " of " << Bytes(l.max_store_bytes())
+      << " in use\n";
   return kExitOk;
 }
 
@@ -562,6 +598,7 @@ int RunOpdctl(int argc, const char* const* argv, std::ostream& out, std::ostream
   Daemon d(daemons[0], a.timeout_ms);
   if (a.command == "sessions") return RunSessions(a, d, out, err);
   if (a.command == "stats") return RunStats(a, d, out, err);
+  if (a.command == "store") return RunStore(a, d, out, err);
   return RunDrain(a, d, out, err);
 }
 

@@ -1,7 +1,7 @@
 // File: admin/ctl/opdctl.h
 //
 // cache-dit-opdctl: the operator's CLI of the daemon. A client like any
-// other (gRPC GetVersion / GetStats, and the session channel for drain): it
+// other (gRPC GetVersion / GetStats / ListStore, and the session channel for drain): it
 // never opens a session, so it works on a daemon without a GPU.
 //
 //   cache-dit-opdctl [--gpu INDEX|UUID | --address PATH] [--runtime-dir DIR]
@@ -11,6 +11,9 @@
 //   sessions                 pid, uid, command, calls, errors, regions, mapped bytes,
 //                            lanes, ring, last activity of every session
 //   stats                    daemon-wide counters, stage latencies, per-op rows
+//   store                    the weight store's entries (ListStore of session 0):
+//                            name, dtype, shape, bytes, owner uid, calls and mappings
+//                            using it; bytes in use of --max-store-bytes
 //   drain                    stop accepting sessions, let queued calls finish, exit 0
 //                            (root and the daemon's uid only: the daemon checks
 //                            SO_PEERCRED on the session channel)

@@ -5,8 +5,9 @@ with local fakes; it needs neither a daemon nor a GPU. The first op call on a
 CUDA device opens a session with the daemon that serves that GPU (found by its
 UUID; ``CACHE_DIT_OPD_ADDRESS`` overrides the lookup). Ops live in
 :mod:`cache_dit_opd.kernels`, modules built on them (``SVDQW4A4Linear``) in
-:mod:`cache_dit_opd.nn`, and the one-line cache-dit integration in
-:mod:`cache_dit_opd.integrations.cache_dit`.
+:mod:`cache_dit_opd.nn`, the one-line cache-dit integration in
+:mod:`cache_dit_opd.integrations.cache_dit`, and the daemon's weight store
+(tensors published once for every process) in :mod:`cache_dit_opd.store`.
 
 With the native engine (``libcache_dit_opd_native.so``, built by ``pip install
 --no-build-isolation ./python``) calls run in C++ through the session's
@@ -23,7 +24,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import kernels  # noqa: E402  (defines the ops in cache_dit_cuda_ops)
-from . import integrations, nn  # noqa: E402  (integrations change nothing until enabled)
+from . import integrations, nn, store  # noqa: E402  (integrations change nothing until enabled)
 from ._session import (  # noqa: E402
     CatalogSkewError,
     DaemonUnavailableError,
@@ -47,6 +48,7 @@ __all__ = [
     "kernels",
     "nn",
     "set_async_calls",
+    "store",
     "synchronize",
 ]
 

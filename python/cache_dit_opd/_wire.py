@@ -71,6 +71,9 @@ REASONS = {
     "CLOSED": (20, 1, 4),
     "INTERNAL": (21, 13, 5),
     "INPUTS_STALLED": (22, 4, 4),
+    "STORE_UNKNOWN": (23, 5, 2),
+    "STORE_EXISTS": (24, 6, 2),
+    "STORE_DENIED": (25, 7, 2),
 }
 # google.rpc.Code -> action, for an error without a reason (others: fail)
 CODE_ACTIONS = {

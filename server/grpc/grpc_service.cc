@@ -98,4 +98,38 @@ grpc::ServerUnaryReactor* OperatorDaemonService::GetStats(grpc::CallbackServerCo
   return FinishNow(ctx, s);
 }
 
+grpc::ServerUnaryReactor* OperatorDaemonService::PublishFile(grpc::CallbackServerContext* ctx,
+                                                             const v1::PublishFileRequest* request,
+                                                             v1::PublishReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  daemon_->PublishFile(request->session_id(), request->token(), FromProto(*request),
+                       [ctx, reactor, reply](const Status& s, const StoreListing& l) {
+                         if (s.ok()) {
+                           for (const auto& e : l.entries) ToProto(e, reply->add_entries());
+                           reply->set_store_bytes(l.used_bytes);
+                         }
+                         Finish(ctx, reactor, s);
+                       });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::ListStore(grpc::CallbackServerContext* ctx,
+                                                           const v1::ListStoreRequest* request,
+                                                           v1::ListStoreReply* reply) {
+  StoreListing l;
+  Status s = daemon_->ListStore(request->session_id(), request->token(), request->prefix(), &l);
+  if (s.ok()) {
+    for (const auto& e : l.entries) ToProto(e, reply->add_entries());
+    reply->set_store_bytes(l.used_bytes);
+    reply->set_max_store_bytes(l.max_bytes);
+  }
+  return FinishNow(ctx, s);
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::DeleteStore(grpc::CallbackServerContext* ctx,
+                                                             const v1::DeleteStoreRequest* request,
+                                                             v1::DeleteStoreReply*) {
+  return FinishNow(ctx, daemon_->DeleteStore(request->session_id(), request->token(), request->name()));
+}
+
 }  // namespace cache_dit_opd

@@ -62,6 +62,9 @@ void ToProto(const StatsSnapshot& in, v1::StatsReply* out) {
   out->set_call_p50_us(in.call_p50_us);
   out->set_call_p99_us(in.call_p99_us);
   out->set_sessions_closed(in.sessions_closed);
+  out->set_store_entries(in.store_entries);
+  out->set_store_bytes(in.store_bytes);
+  out->set_max_store_bytes(in.store_max_bytes);
   for (const SessionStatsEntry& e : in.sessions_detail) {
     v1::SessionStats* s = out->add_session();
     s->set_session_id(e.session_id);
@@ -100,6 +103,24 @@ void ToProto(const StatsSnapshot& in, v1::StatsReply* out) {
     s->set_p99_us(st.p99_us);
     s->set_count(st.count);
   }
+}
+
+server::PublishFileParams FromProto(const v1::PublishFileRequest& in) {
+  server::PublishFileParams p;
+  p.path = in.path();
+  p.prefix = in.prefix();
+  p.tensors.assign(in.tensors().begin(), in.tensors().end());
+  p.readers.assign(in.reader_uids().begin(), in.reader_uids().end());
+  return p;
+}
+
+void ToProto(const server::StoreEntryInfo& in, v1::StoreEntry* out) {
+  out->set_name(in.name);
+  out->set_dtype(static_cast<v1::DType>(in.dtype));
+  for (int64_t d : in.shape) out->add_shape(d);
+  out->set_bytes(in.bytes);
+  out->set_owner_uid(in.owner);
+  out->set_refs(in.refs);
 }
 
 }  // namespace cache_dit_opd

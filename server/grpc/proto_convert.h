@@ -16,5 +16,7 @@ OpenSessionParams FromProto(const v1::OpenSessionRequest& in);
 void ToProto(const VersionInfo& in, v1::VersionReply* out);
 void ToProto(const OpenSessionResult& in, v1::OpenSessionReply* out);
 void ToProto(const StatsSnapshot& in, v1::StatsReply* out);
+server::PublishFileParams FromProto(const v1::PublishFileRequest& in);
+void ToProto(const server::StoreEntryInfo& in, v1::StoreEntry* out);
 
 }  // namespace cache_dit_opd

@@ -151,6 +151,13 @@ class MetricsExporter::Collector {
     out.push_back(Single("cache_dit_opd_ring_pending_records",
                          "Call-ring records published by clients and not yet taken, all sessions", gauge,
                          static_cast<double>(ring_pending)));
+    out.push_back(Single("cache_dit_opd_store_entries", "Weight-store entries published", gauge,
+                         static_cast<double>(g.store_entries)));
+    out.push_back(Single("cache_dit_opd_store_bytes",
+                         "Weight-store bytes in use (deleted entries still used by a call or mapping included)", gauge,
+                         static_cast<double>(g.store_bytes)));
+    out.push_back(Single("cache_dit_opd_store_max_bytes", "The weight store's limit, --max-store-bytes (0: off)",
+                         gauge, static_cast<double>(g.store_max_bytes)));
     out.push_back(Single("cache_dit_opd_sessions_closed_total", "Sessions ended since start (closed, dead or dropped)",
                          MetricType::Counter, static_cast<double>(g.sessions_closed)));
     out.push_back(Single("process_cpu_seconds_total", "User and system CPU time of the daemon", MetricType::Counter,

@@ -25,12 +25,13 @@
 //   cache_dit_opd_sessions, _lanes, _regions, _mapped_bytes, _pending_unmaps       gauges, all sessions
 //   cache_dit_opd_ring_slots, cache_dit_opd_ring_pending_records                  gauges: call-ring slots
 //       of every session, records published and not yet taken
+//   cache_dit_opd_store_entries, _store_bytes, _store_max_bytes                   gauges: the weight store
+//       (server/store/weight_store.h; all 0 when it is off)
 //   cache_dit_opd_sessions_closed_total                                            counter
 //   process_cpu_seconds_total, process_resident_memory_bytes, process_start_time_seconds
 //
 // transport is "grpc" or "ring". A row appears once it has a call (counters
-// and histograms of ops never called are left out). Store bytes join once
-// the weight store exists.
+// and histograms of ops never called are left out).
 //
 // Scraping takes, briefly, the session table's lock and each session's
 // region-table lock (to count), and the daemon's state lock: each is held

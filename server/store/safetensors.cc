@@ -209,7 +209,7 @@ Status ReadFully(int fd, uint64_t offset, std::span<std::byte> dst, size_t* got)
   while (*got < dst.size()) {
     ssize_t n = ::pread(fd, dst.data() + *got, dst.size() - *got, static_cast<off_t>(offset + *got));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return Status::Internal("pread: ", std::strerror(errno));
+    if (n < 0) return Bad("pread: ", std::strerror(errno));
     if (n == 0) break;
     *got += static_cast<size_t>(n);
   }
@@ -270,14 +270,13 @@ Status SafetensorsFile::Open(const std::string& path, std::unique_ptr<Safetensor
   if (fd < 0) {
     int e = errno;
     std::string why = std::strerror(e);
-    if (e == ENOENT || e == ENOTDIR) return Status::NotFound("safetensors file ", path, ": ", why);
-    if (e == EACCES || e == EPERM) return Status::PermissionDenied("safetensors file ", path, ": the daemon may not read it (", why, ")");
+    if (e == EACCES || e == EPERM) return Bad("safetensors file ", path, ": the daemon may not read it (", why, ")");
     return Bad("safetensors file ", path, ": ", why);
   }
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile(path, fd));
   auto bad = [&](const Status& s) { return s.Annotated("safetensors file " + path + ": "); };
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return bad(Status::Internal("fstat: ", std::strerror(errno)));
+  if (::fstat(fd, &st) != 0) return bad(Bad("fstat: ", std::strerror(errno)));
   if (!S_ISREG(st.st_mode)) return bad(Bad("not a regular file"));
   uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size < 8) return bad(Bad(size, " bytes: shorter than the 8-byte header length"));

@@ -16,9 +16,9 @@
 //                       row-major, little-endian
 //
 // Contract of ParseSafetensorsHeader / SafetensorsFile::Open (an OK result
-// guarantees all of it; anything else is INVALID_ARGUMENT [BAD_ARGUMENT]
-// naming the offending tensor and value, after the file's path when a file
-// was read):
+// guarantees all of it; anything else, a file that cannot be opened or read
+// included, is INVALID_ARGUMENT [BAD_ARGUMENT] naming the offending tensor
+// and value after the file's path: the file is the client's argument):
 //   - N <= kMaxSafetensorsHeaderBytes (safetensors' own limit) and the file
 //     holds the whole header; the header is one JSON object of exactly the
 //     shape above: no unknown key in a tensor, each of its three keys once,
@@ -96,9 +96,8 @@ Status ParseSafetensorsHeader(std::string_view header, uint64_t data_offset, uin
 class SafetensorsFile {
  public:
   // Opens `path` read-only (a regular file only: never blocks on a FIFO or a
-  // device), reads and checks its header. NOT_FOUND for a missing file,
-  // PERMISSION_DENIED for one the daemon may not read, INVALID_ARGUMENT for
-  // anything else wrong with it; each message names the path.
+  // device), reads and checks its header; every error names the path and
+  // why (missing, not readable by the daemon, truncated, ...).
   static Status Open(const std::string& path, std::unique_ptr<SafetensorsFile>* out);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;

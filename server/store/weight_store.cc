@@ -122,7 +122,7 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& e : made) {
       if (entries_.count(e->name) || pending_.count(e->name)) {
-        return Status::AlreadyExists("publish: store entry '", e->name, "' exists",
+        return Status::Rejected(Reason::kStoreExists, "publish: store entry '", e->name, "' exists",
                                      entries_.count(e->name) ? "" : " (being published)",
                                      "; delete it first, or publish under another name");
       }
@@ -187,12 +187,12 @@ Status WeightStore::Lookup(const PeerCred& who, std::string_view name, StoreRef*
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(name);
   if (it == entries_.end()) {
-    return Status::NotFound("store entry '", name.substr(0, kMaxStoreNameBytes), "' does not exist",
+    return Status::Rejected(Reason::kStoreUnknown, "store entry '", name.substr(0, kMaxStoreNameBytes), "' does not exist",
                             pending_.count(name) ? " yet (its set is being published)" : "",
                             " (a restarted daemon's store is empty: publish it again)");
   }
   if (!MayRead(who, *it->second)) {
-    return Status::PermissionDenied("store entry '", name, "' belongs to uid ", it->second->owner,
+    return Status::Rejected(Reason::kStoreDenied, "store entry '", name, "' belongs to uid ", it->second->owner,
                                     ", which did not admit uid ", who.uid);
   }
   *out = it->second;
@@ -205,10 +205,10 @@ Status WeightStore::Delete(const PeerCred& who, std::string_view name) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(name);
     if (it == entries_.end()) {
-      return Status::NotFound("delete: store entry '", name.substr(0, kMaxStoreNameBytes), "' does not exist");
+      return Status::Rejected(Reason::kStoreUnknown, "delete: store entry '", name.substr(0, kMaxStoreNameBytes), "' does not exist");
     }
     if (who.uid != 0 && who.uid != it->second->owner) {
-      return Status::PermissionDenied("delete: store entry '", name, "' belongs to uid ", it->second->owner,
+      return Status::Rejected(Reason::kStoreDenied, "delete: store entry '", name, "' belongs to uid ", it->second->owner,
                                       "; uid ", who.uid, " may not delete it");
     }
     dropped = std::move(it->second);
@@ -229,5 +229,10 @@ std::vector<StoreEntryInfo> WeightStore::List(const PeerCred& who, std::string_v
 }
 
 uint64_t WeightStore::used_bytes() const { return shared_->used.load(); }
+
+size_t WeightStore::entries() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.size();
+}
 
 }  // namespace cache_dit_opd::server

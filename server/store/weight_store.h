@@ -50,28 +50,12 @@
 
 #include "common/call.h"
 #include "common/status.h"
+#include "server/device/store_memory.h"
 #include "server/session/peer_policy.h"
 
 namespace cache_dit_opd::server {
 
 inline constexpr size_t kMaxStoreNameBytes = 512;
-
-// Memory of one stored tensor; freed by its destructor.
-class StoreBlock {
- public:
-  virtual ~StoreBlock() = default;
-  virtual uint64_t address() const = 0;  // device address (host address in tests)
-  virtual uint64_t bytes() const = 0;
-};
-
-// Where the store's memory comes from (the device layer implements it).
-class StoreAllocator {
- public:
-  virtual ~StoreAllocator() = default;
-  // A block of at least `bytes` (>= 1); RESOURCE_EXHAUSTED when the device
-  // has no memory left.
-  virtual Status Allocate(uint64_t bytes, std::unique_ptr<StoreBlock>* out) = 0;
-};
 
 struct StoreTensorSpec {
   std::string name;
@@ -125,6 +109,7 @@ class WeightStore {
   std::vector<StoreEntryInfo> List(const PeerCred& who, std::string_view prefix = {}) const;
 
   uint64_t used_bytes() const;  // reserved + published + deleted-but-referenced
+  size_t entries() const;       // visible
   uint64_t max_bytes() const { return max_bytes_; }
 
   // A valid hierarchical name, or BAD_ARGUMENT naming it.

@@ -3,8 +3,8 @@
 // Fakes of the daemon's device seams (server/device/) and of its CallRunner,
 // for the C++ CPU tests of the daemon's core and for the fake-device daemon
 // (tests/fake_daemon/main.cc): device operations that write host memory at
-// once, a region opener with configurable allocations, and a call runner
-// that records what ran where.
+// once, a region opener with configurable allocations, a call runner that
+// records what ran where, and the weight store's memory in host blocks.
 #pragma once
 
 #include <atomic>
@@ -25,6 +25,7 @@
 #include "server/device/device_ops.h"
 #include "server/device/region_opener.h"
 #include "server/exec/call_runner.h"
+#include "server/device/store_memory.h"
 
 namespace cache_dit_opd::testing {
 
@@ -337,6 +338,38 @@ class FakeRunner : public CallRunner {
   }
   std::mutex mu;
   std::vector<Ran> ran;
+};
+
+// The weight store's memory as host blocks: counts what is live and can be
+// told to fail from the n-th allocation on.
+class HostStoreAllocator : public StoreAllocator {
+ public:
+  class Block : public StoreBlock {
+   public:
+    Block(HostStoreAllocator* a, uint64_t n) : a_(a), bytes_(n), mem_(new std::byte[n]) { ++a_->live; }
+    ~Block() override { --a_->live; }
+    uint64_t address() const override { return reinterpret_cast<uint64_t>(mem_.get()); }
+    uint64_t bytes() const override { return bytes_; }
+    Status Write(uint64_t offset, std::span<const std::byte> src) override {
+      if (offset > bytes_ || src.size() > bytes_ - offset) return Status::Internal("write past the block");
+      std::memcpy(mem_.get() + offset, src.data(), src.size());
+      return Status::Ok();
+    }
+
+   private:
+    HostStoreAllocator* a_;
+    uint64_t bytes_;
+    std::unique_ptr<std::byte[]> mem_;
+  };
+  Status Allocate(uint64_t bytes, std::unique_ptr<StoreBlock>* out) override {
+    if (fail_after >= 0 && allocations.load() >= fail_after) return Status::Rejected(Reason::kResourceExhausted, "device memory full");
+    ++allocations;
+    *out = std::make_unique<Block>(this, bytes);
+    return Status::Ok();
+  }
+  std::atomic<int> live{0};
+  std::atomic<int> allocations{0};
+  int fail_after = -1;
 };
 
 }  // namespace cache_dit_opd::testing

@@ -17,7 +17,8 @@
 //     as the Python client's FakeDriver writes it);
 //   - calls are decoded and checked by the kernel library's Meta kernels
 //     (TorchCallRunner on meta tensors): every validation the real daemon
-//     makes is made, and no output is computed.
+//     makes is made, and no output is computed;
+//   - the weight store's memory is host memory (HostStoreAllocator).
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -61,9 +62,11 @@ class FakeBackend final : public DeviceBackend {
   Status LoadOpLibrary(const std::string& path) override { return TorchCallRunner::LoadOpLibrary(path); }
   std::vector<OpInfo> ListOps() override { return TorchCallRunner::ListOps(); }
   CallRunner* runner() override { return &runner_; }
+  StoreAllocator* store_allocator() override { return &store_; }
 
  private:
   TorchCallRunner runner_{TorchCallRunner::Device::kMeta};
+  testing::HostStoreAllocator store_;  // the weight store in host memory
 };
 
 }  // namespace

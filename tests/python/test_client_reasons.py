@@ -28,8 +28,11 @@ from cache_dit_opd._proto import opd_grpc, opd_pb2 as pb
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 TIMEOUT_S = 10
 
-# Reasons no outside client can provoke deterministically, and the daemon-side test that produces each.
+# Reasons the cases here do not provoke, and the test that does: no outside client can provoke the first
+# three deterministically; STORE_DENIED needs a second uid.
 DAEMON_SIDE_ONLY = {
+    "STORE_DENIED": "tests/python/test_store.py::test_another_uid_reads_through_the_allowed_group_but_may_not_delete "
+                    "(a child that drops to uid 65534) and tests/cpp/server/weight_store_test.cc",
     "SESSION_ENDED": "tests/cpp/server/executor_test.cc (a call submitted for an ended session); from outside "
                      "only a race with End(), which removes the session first (later calls: SESSION_UNKNOWN)",
     "INTERNAL": "no outside trigger: the daemon's own invariants (e.g. dispatch preparing nothing)",
@@ -259,6 +262,29 @@ def closed(p):
     p.stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id, token=r.token), timeout=TIMEOUT_S)
     t.join(TIMEOUT_S)
     return got[0]  # answered with the session's end
+
+
+def _store_file(p) -> str:
+    import safetensors.torch as st
+
+    path = str(p.d.workdir / "store.safetensors")
+    st.save_file({"w": torch.zeros(4)}, path)
+    return path
+
+
+@daemon_of("--max-store-bytes", "1M")
+def store_unknown(p):
+    r = p.bound()
+    return rejected(lambda: p.stub.DeleteStore(pb.DeleteStoreRequest(session_id=r.session_id, token=r.token,
+                                                                     name="no/such/entry"), timeout=TIMEOUT_S))
+
+
+@daemon_of("--max-store-bytes", "1M")
+def store_exists(p):
+    r = p.bound()
+    req = pb.PublishFileRequest(session_id=r.session_id, token=r.token, path=_store_file(p), prefix="twice/")
+    p.stub.PublishFile(req, timeout=TIMEOUT_S)
+    return rejected(lambda: p.stub.PublishFile(req, timeout=TIMEOUT_S))
 
 
 CASES = {name: globals()[name.lower()] for name in _wire.REASONS if name not in DAEMON_SIDE_ONLY}

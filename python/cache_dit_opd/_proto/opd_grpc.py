@@ -21,6 +21,9 @@ METHODS = {
     "UnregisterRegion": (pb.UnregisterRegionRequest, pb.UnregisterRegionReply),
     "Call": (pb.CallRequest, pb.CallReply),
     "GetStats": (pb.StatsRequest, pb.StatsReply),
+    "PublishFile": (pb.PublishFileRequest, pb.PublishReply),
+    "ListStore": (pb.ListStoreRequest, pb.ListStoreReply),
+    "DeleteStore": (pb.DeleteStoreRequest, pb.DeleteStoreReply),
 }
 
 

@@ -89,7 +89,7 @@ TEST(OptionsTest, EveryFlagInBothSpellings) {
   bool help = false;
   ASSERT_TRUE(Parse({"--device", "3", "--socket=/tmp/x.sock", "--runtime-dir", "/tmp/rd", "--log-level=debug",
                      "--max-sessions", "8", "--max-lanes=4", "--max-regions", "100", "--max-mapped-bytes", "2G",
-                     "--max-message-bytes=16M", "--drain-deadline-ms", "250", "--bind-timeout-ms=900",
+                     "--max-store-bytes=3G", "--max-message-bytes=16M", "--drain-deadline-ms", "250", "--bind-timeout-ms=900",
                      "--allowed-gid", "1234", "--load-library", "/a.so", "--load-library=/b.so",
                      "--memory-trim-ms=250"},
                     &o, &help)
@@ -102,6 +102,7 @@ TEST(OptionsTest, EveryFlagInBothSpellings) {
   EXPECT_EQ(o.max_lanes, 4u);
   EXPECT_EQ(o.max_regions, 100u);
   EXPECT_EQ(o.max_mapped_bytes, 2ull << 30);
+  EXPECT_EQ(o.max_store_bytes, 3ull << 30);
   EXPECT_EQ(o.max_message_bytes, 16ull << 20);
   EXPECT_EQ(o.drain_deadline_ms, 250u);
   EXPECT_EQ(o.bind_timeout_ms, 900u);

@@ -2,6 +2,8 @@
 // the byte limit, deferred deletion, failures that leave nothing behind.
 #include "server/store/weight_store.h"
 
+#include "tests/fake_daemon/fakes.h"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -12,31 +14,7 @@
 namespace cache_dit_opd::server {
 namespace {
 
-// Host blocks; counts what is live and can be told to fail.
-class HostAllocator : public StoreAllocator {
- public:
-  class Block : public StoreBlock {
-   public:
-    Block(HostAllocator* a, uint64_t n) : a_(a), bytes_(n), mem_(new char[n]) { ++a_->live; }
-    ~Block() override { --a_->live; }
-    uint64_t address() const override { return reinterpret_cast<uint64_t>(mem_.get()); }
-    uint64_t bytes() const override { return bytes_; }
-
-   private:
-    HostAllocator* a_;
-    uint64_t bytes_;
-    std::unique_ptr<char[]> mem_;
-  };
-  Status Allocate(uint64_t bytes, std::unique_ptr<StoreBlock>* out) override {
-    if (fail_after >= 0 && allocations.load() >= fail_after) return Status::ResourceExhausted("device memory full");
-    ++allocations;
-    *out = std::make_unique<Block>(this, bytes);
-    return Status::Ok();
-  }
-  std::atomic<int> live{0};
-  std::atomic<int> allocations{0};
-  int fail_after = -1;
-};
+using HostAllocator = testing::HostStoreAllocator;
 
 PeerCred Peer(uid_t uid, gid_t gid = 100, std::vector<gid_t> groups = {}) {
   PeerCred p;
@@ -53,8 +31,8 @@ StoreTensorSpec Spec(std::string name, std::vector<int64_t> shape, DType dtype =
 
 // Fills entry i with bytes i+1.
 Status FillIndex(size_t i, const StoreEntry& e) {
-  std::memset(reinterpret_cast<void*>(e.block->address()), static_cast<int>(i + 1), e.bytes);
-  return Status::Ok();
+  std::vector<std::byte> bytes(e.bytes, static_cast<std::byte>(i + 1));
+  return e.block->Write(0, bytes);
 }
 
 const PeerCred kAlice = Peer(1001), kBob = Peer(1002), kRoot = Peer(0, 0);
@@ -204,7 +182,7 @@ TEST(WeightStoreTest, AFailedAllocationOrFillLeavesNothingBehind) {
   WeightStore store(&alloc, 1 << 20, std::nullopt);
   alloc.fail_after = 1;  // the second block fails
   Status s = store.Publish(kAlice, {Spec("a", {4}), Spec("b", {4})}, {}, FillIndex);
-  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.reason(), Reason::kResourceExhausted);
   EXPECT_NE(s.message().find("publish 'b' (16 bytes): device memory full"), std::string::npos) << s.message();
   EXPECT_EQ(alloc.live, 0);
   EXPECT_EQ(store.used_bytes(), 0u);

@@ -1,0 +1,111 @@
+#include "server/store/publish_file.h"
+
+#include <algorithm>
+#include <memory>
+#include <set>
+
+#include "server/store/safetensors.h"
+
+namespace cache_dit_opd::server {
+
+Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileParams& p,
+                   std::vector<StoreEntryInfo>* out, size_t chunk_bytes) {
+  out->clear();
+  // The daemon's working directory is nobody's business: a relative path
+  // would be resolved against it, not against the client's.
+  if (p.path.empty() || p.path.front() != '/') {
+    return Status::Rejected(Reason::kBadArgument, "publish: path '", p.path, "' is not absolute");
+  }
+  if (p.tensors.size() > kMaxPublishTensors) {
+    return Status::Rejected(Reason::kBadArgument, "publish: ", p.tensors.size(), " tensors named (at most ",
+                            kMaxPublishTensors, " a set)");
+  }
+  std::unique_ptr<SafetensorsFile> file;
+  OPD_RETURN_IF_ERROR(SafetensorsFile::Open(p.path, &file));
+
+  std::vector<const SafetensorsTensor*> chosen;
+  if (p.tensors.empty()) {
+    for (const SafetensorsTensor& t : file->index().tensors) chosen.push_back(&t);
+  } else {
+    std::set<std::string_view> seen;
+    for (const std::string& name : p.tensors) {
+      if (!seen.insert(name).second) {
+        return Status::Rejected(Reason::kBadArgument, "publish: tensor '", name, "' named twice");
+      }
+      const SafetensorsTensor* t = file->Find(name);
+      if (t == nullptr) {
+        return Status::Rejected(Reason::kBadArgument, "publish: safetensors file ", p.path, " has no tensor '",
+                                name, "'");
+      }
+      chosen.push_back(t);
+    }
+    std::sort(chosen.begin(), chosen.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
+  }
+  if (chosen.size() > kMaxPublishTensors) {
+    return Status::Rejected(Reason::kBadArgument, "publish: safetensors file ", p.path, " holds ", chosen.size(),
+                            " tensors (at most ", kMaxPublishTensors, " a set: name them in several sets)");
+  }
+  std::vector<StoreTensorSpec> specs;
+  for (const SafetensorsTensor* t : chosen) specs.push_back({p.prefix + t->name, t->dtype, t->shape});
+
+  std::vector<std::byte> chunk;
+  auto fill = [&](size_t i, const StoreEntry& e) -> Status {
+    const SafetensorsTensor& t = *chosen[i];
+    chunk.resize(std::min<uint64_t>(chunk_bytes, t.bytes));
+    for (uint64_t at = 0; at < t.bytes; at += chunk.size()) {
+      const uint64_t n = std::min<uint64_t>(chunk.size(), t.bytes - at);
+      SafetensorsTensor part = t;  // the next n bytes of the tensor
+      part.offset += at;
+      part.bytes = n;
+      std::span<std::byte> dst(chunk.data(), n);
+      OPD_RETURN_IF_ERROR(file->Read(part, dst));
+      OPD_RETURN_IF_ERROR(e.block->Write(at, dst));
+    }
+    return Status::Ok();
+  };
+  OPD_RETURN_IF_ERROR(store.Publish(owner, specs, p.readers, fill));
+  for (const StoreTensorSpec& spec : specs) {
+    StoreRef ref;
+    if (store.Lookup(owner, spec.name, &ref).ok()) {
+      out->push_back({ref->name, ref->dtype, ref->shape, ref->bytes, ref->owner, 0});
+    }
+  }
+  return Status::Ok();
+}
+
+StoreWorker::~StoreWorker() { Stop(); }
+
+bool StoreWorker::Post(std::function<void()> task) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_) return false;
+  tasks_.push_back(std::move(task));
+  if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+  cv_.notify_one();
+  return true;
+}
+
+void StoreWorker::Stop() {
+  std::thread t;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    t = std::move(thread_);
+  }
+  cv_.notify_all();
+  if (t.joinable()) t.join();
+}
+
+void StoreWorker::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+    if (tasks_.empty()) return;  // stopped, nothing left
+    std::function<void()> task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lock.unlock();
+    task();
+    lock.lock();
+  }
+}
+
+}  // namespace cache_dit_opd::server
