@@ -43,12 +43,12 @@ import _client_fixtures as fx
 from test_client_reasons import TIMEOUT_S, Peer
 
 from cache_dit_opd import _errors, _layout, _wire
-from cache_dit_opd._proto import opd_pb2 as pb
+from cache_dit_opd._proto import opd_grpc, opd_pb2 as pb
 
 SERVICE = "/cache_dit_opd.v1.OperatorDaemon/"
-METHODS = ("GetVersion", "OpenSession", "CloseSession", "RegisterRegion", "UnregisterRegion", "Call", "GetStats")
+METHODS = tuple(opd_grpc.METHODS)  # every RPC of the service
 # Methods a request of random bytes may legitimately succeed on: no field of theirs is required.
-ANSWERABLE = {"GetVersion", "GetStats", "/grpc.health.v1.Health/Check"}
+ANSWERABLE = {"GetVersion", "GetStats", "ListStore", "/grpc.health.v1.Health/Check"}
 MAX_MESSAGE = 64 << 10  # --max-message-bytes' default (server/options.h)
 MIB = 1 << 20
 RSS_TOLERANCE = 16 * MIB
@@ -133,7 +133,7 @@ def run_phase(d, phase, max_log_lines: int) -> None:
 @pytest.fixture(scope="module")
 def daemon():
     d = fx.daemon(None, "--max-sessions", str(MAX_SESSIONS), "--bind-timeout-ms", "3000",
-                  "--memory-trim-ms", str(TRIM_MS))
+                  "--memory-trim-ms", str(TRIM_MS), "--max-store-bytes", "1M")  # the store's RPCs are live too
     yield d
     d.kill()
 
