@@ -289,15 +289,17 @@ void Daemon::PublishFile(uint64_t session_id, std::string_view token, server::Pu
     Status ps = server::PublishFile(*store, owner, params, &listing.entries);
     listing.used_bytes = store->used_bytes();
     listing.max_bytes = store->max_bytes();
+    // A peer publishes (and fails to) at will: a bounded number of lines per interval, either way.
+    static LogThrottle published(10, std::chrono::seconds(10)), refused(10, std::chrono::seconds(10));
     if (ps.ok()) {
-      spdlog::info("store: uid {} published {} tensors from {} under '{}' ({} of {} bytes in use)", owner.uid,
-                   listing.entries.size(), params.path, params.prefix, listing.used_bytes, listing.max_bytes);
-    } else {
-      static LogThrottle refused(10, std::chrono::seconds(10));
-      if (const auto v = refused.Next(); v.log) {
-        spdlog::warn("store: publish of {} by uid {} refused: {}{}", params.path, owner.uid, ps.ToString(),
+      if (const auto v = published.Next(); v.log) {
+        spdlog::info("store: uid {} published {} tensors from {} under '{}' ({} of {} bytes in use){}", owner.uid,
+                     listing.entries.size(), params.path, params.prefix, listing.used_bytes, listing.max_bytes,
                      SuppressedNote(v.suppressed));
       }
+    } else if (const auto v = refused.Next(); v.log) {
+      spdlog::warn("store: publish of {} by uid {} refused: {}{}", params.path, owner.uid, ps.ToString(),
+                   SuppressedNote(v.suppressed));
     }
     done(ps, listing);
   };
@@ -329,7 +331,10 @@ Status Daemon::DeleteStore(uint64_t session_id, std::string_view token, std::str
   std::shared_ptr<Session> s;
   OPD_RETURN_IF_ERROR(sessions_->Authorize(session_id, token, /*require_bound=*/true, &s));
   OPD_RETURN_IF_ERROR(store->Delete(s->peer(), name));
-  spdlog::info("store: uid {} deleted '{}'", s->peer().uid, name);
+  static LogThrottle deleted(10, std::chrono::seconds(10));
+  if (const auto v = deleted.Next(); v.log) {
+    spdlog::info("store: uid {} deleted '{}'{}", s->peer().uid, name, SuppressedNote(v.suppressed));
+  }
   return Status::Ok();
 }
 
