@@ -5,7 +5,9 @@
 // (server/dispatch/torch_call_runner.cc), the C++ client's early check
 // (client/core/regions.cc) and the native proxy kernels
 // (client/python/proxy_kernel.cpp); HasNoElements: which views travel
-// without a region (wire.h kNoRegion). Plain C++, header-only.
+// without a region (wire.h kNoRegion); DenseBytes: the bytes of a dense
+// tensor (the weight store and its safetensors reader). Plain C++,
+// header-only.
 #pragma once
 
 #include <cstddef>
@@ -55,6 +57,21 @@ inline bool ViewExtentBytes(std::span<const int64_t> sizes, std::span<const int6
   }
   uint64_t b = 0;
   if (__builtin_add_overflow(last, uint64_t{1}, &b) || __builtin_mul_overflow(b, itemsize, &b)) return false;
+  *bytes = b;
+  return true;
+}
+
+// DenseBytes
+//
+// prod(shape) * itemsize, multiplied left to right with every product
+// overflow-checked (as safetensors' own reader does: a shape whose partial
+// product overflows before a 0 size is refused too). False, leaving `*bytes`
+// alone, for a negative size or an overflow.
+inline bool DenseBytes(std::span<const int64_t> shape, uint64_t itemsize, uint64_t* bytes) {
+  uint64_t b = itemsize;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(b, static_cast<uint64_t>(d), &b)) return false;
+  }
   *bytes = b;
   return true;
 }

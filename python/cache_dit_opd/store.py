@@ -44,11 +44,11 @@ def _entry(e) -> StoreEntry:
     return StoreEntry(e.name, getattr(torch, _DTYPE_NAMES[e.dtype]), tuple(e.shape), e.bytes, e.owner_uid, e.refs)
 
 
-def _rpc(s: _session.Session, what: str, method: str, request):
+def _rpc(s: _session.Session, what: str, method: str, request, timeout: float | None = _session.CONNECT_TIMEOUT_S):
     import grpc
 
     try:
-        return getattr(s._stub, method)(request, timeout=None if method == "PublishFile" else _session.CONNECT_TIMEOUT_S)
+        return getattr(s._stub, method)(request, timeout=timeout)
     except grpc.RpcError as e:
         err = _errors.from_grpc(e)
     by_reason = {
@@ -79,7 +79,7 @@ def publish_file(path: str | os.PathLike, prefix: str = "", tensors: Iterable[st
     req = pb.PublishFileRequest(session_id=s.reply.session_id, token=s.reply.token,
                                 path=os.path.abspath(os.fspath(path)), prefix=prefix,
                                 tensors=list(tensors or ()), reader_uids=[int(u) for u in readers])
-    rep = _rpc(s, f"publishing {req.path}", "PublishFile", req)
+    rep = _rpc(s, f"publishing {req.path}", "PublishFile", req, timeout=None)  # reading a model takes its time
     return [_entry(e) for e in rep.entries]
 
 

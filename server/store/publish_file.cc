@@ -63,14 +63,7 @@ Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileP
     }
     return Status::Ok();
   };
-  OPD_RETURN_IF_ERROR(store.Publish(owner, specs, p.readers, fill));
-  for (const StoreTensorSpec& spec : specs) {
-    StoreRef ref;
-    if (store.Lookup(owner, spec.name, &ref).ok()) {
-      out->push_back({ref->name, ref->dtype, ref->shape, ref->bytes, ref->owner, 0});
-    }
-  }
-  return Status::Ok();
+  return store.Publish(owner, specs, p.readers, fill, out);
 }
 
 StoreWorker::~StoreWorker() { Stop(); }

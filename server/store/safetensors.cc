@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/view_extent.h"
+
 namespace cache_dit_opd::server {
 namespace {
 
@@ -105,12 +107,9 @@ class HeaderSax {
         // against the section's size and makes it absolute.
         tensor_.offset = offsets_[0];
         tensor_.bytes = offsets_[1] - offsets_[0];
-        uint64_t want = static_cast<uint64_t>(DTypeSize(tensor_.dtype));
-        for (int64_t d : tensor_.shape) {
-          if (d != 0 && want > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
-            return Fail("a shape whose byte count overflows 64 bits");
-          }
-          want *= static_cast<uint64_t>(d);
+        uint64_t want = 0;  // the shape's sizes are non-negative (number_unsigned)
+        if (!DenseBytes(tensor_.shape, static_cast<uint64_t>(DTypeSize(tensor_.dtype)), &want)) {
+          return Fail("a shape whose byte count overflows 64 bits");
         }
         if (want != tensor_.bytes) {
           return Fail("data_offsets [", offsets_[0], ", ", offsets_[1], "]: ", tensor_.bytes, " bytes, but its dtype and shape take ", want);

@@ -5,6 +5,8 @@
 #include <limits>
 #include <utility>
 
+#include "common/view_extent.h"
+
 namespace cache_dit_opd::server {
 namespace {
 
@@ -71,8 +73,13 @@ bool WeightStore::MayRead(const PeerCred& who, const StoreEntry& e) const {
   return who.gid == *allowed_gid_ || std::find(who.groups.begin(), who.groups.end(), *allowed_gid_) != who.groups.end();
 }
 
+StoreEntryInfo WeightStore::Info(const StoreRef& ref) {
+  return {ref->name, ref->dtype, ref->shape, ref->bytes, ref->owner, ref.use_count() - 1};
+}
+
 Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensorSpec>& specs,
-                            const std::vector<uid_t>& readers, const Fill& fill) {
+                            const std::vector<uid_t>& readers, const Fill& fill,
+                            std::vector<StoreEntryInfo>* published_out) {
   if (specs.empty()) return Status::Rejected(Reason::kBadArgument, "publish: no tensor to publish");
   if (readers.size() > kMaxReaders) {
     return Status::Rejected(Reason::kBadArgument, "publish: ", readers.size(), " reader uids (at most ", kMaxReaders, ")");
@@ -94,13 +101,11 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
       return Status::Rejected(Reason::kBadArgument, "publish '", spec.name, "': shape ", Shape(spec.shape), " has more than ",
                               v1::kMaxTensorDims, " dimensions");
     }
-    uint64_t bytes = static_cast<uint64_t>(DTypeSize(spec.dtype));
-    for (int64_t d : spec.shape) {
-      if (d < 0 || (d != 0 && bytes > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d))) {
-        return Status::Rejected(Reason::kBadArgument, "publish '", spec.name, "': shape ", Shape(spec.shape),
-                                d < 0 ? " has a negative size" : "'s byte count overflows 64 bits");
-      }
-      bytes *= static_cast<uint64_t>(d);
+    uint64_t bytes = 0;
+    if (!DenseBytes(spec.shape, static_cast<uint64_t>(DTypeSize(spec.dtype)), &bytes)) {
+      const bool negative = std::any_of(spec.shape.begin(), spec.shape.end(), [](int64_t d) { return d < 0; });
+      return Status::Rejected(Reason::kBadArgument, "publish '", spec.name, "': shape ", Shape(spec.shape),
+                              negative ? " has a negative size" : "'s byte count overflows 64 bits");
     }
     if (total > std::numeric_limits<uint64_t>::max() - bytes) {
       return Status::Rejected(Reason::kBadArgument, "publish: the set's byte count overflows 64 bits");
@@ -173,8 +178,10 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
       delete p;
     });
   }
+  if (published_out) published_out->clear();
   std::lock_guard<std::mutex> lock(mu_);
   for (StoreRef& r : refs) {
+    if (published_out) published_out->push_back(Info(r));
     pending_.erase(r->name);
     entries_.emplace(r->name, std::move(r));
   }
@@ -221,9 +228,7 @@ std::vector<StoreEntryInfo> WeightStore::List(const PeerCred& who, std::string_v
   std::vector<StoreEntryInfo> out;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = entries_.lower_bound(prefix); it != entries_.end() && it->first.starts_with(prefix); ++it) {
-    const StoreEntry& e = *it->second;
-    if (!MayRead(who, e)) continue;
-    out.push_back({e.name, e.dtype, e.shape, e.bytes, e.owner, it->second.use_count() - 1});
+    if (MayRead(who, *it->second)) out.push_back(Info(it->second));
   }
   return out;
 }

@@ -100,9 +100,11 @@ class WeightStore {
   using Fill = std::function<Status(size_t index, const StoreEntry& entry)>;
   // Publishes `specs` as one set owned by `owner.uid`, readable as the
   // contract says (plus `readers`). `fill` writes entry i's bytes into its
-  // block (never called for an empty tensor).
+  // block (never called for an empty tensor). `published` (optional): the
+  // set's entries, in `specs` order, as they became visible.
   Status Publish(const PeerCred& owner, const std::vector<StoreTensorSpec>& specs,
-                 const std::vector<uid_t>& readers, const Fill& fill);
+                 const std::vector<uid_t>& readers, const Fill& fill,
+                 std::vector<StoreEntryInfo>* published = nullptr);
   Status Lookup(const PeerCred& who, std::string_view name, StoreRef* out) const;
   Status Delete(const PeerCred& who, std::string_view name);
   // The entries `who` may read whose name starts with `prefix`, by name.
@@ -118,6 +120,9 @@ class WeightStore {
  private:
   struct Shared;  // what outlives the store for entries still referenced
   bool MayRead(const PeerCred& who, const StoreEntry& e) const;
+  // What List and Publish report of an entry the store holds (`ref` is the
+  // store's own reference: refs counts the others).
+  static StoreEntryInfo Info(const StoreRef& ref);
 
   StoreAllocator* allocator_;
   const uint64_t max_bytes_;

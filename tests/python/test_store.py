@@ -49,7 +49,8 @@ def test_a_file_is_published_as_one_set_listed_by_prefix_and_deleted(daemon, tmp
             ("flux1-dev/blocks.0.ff.qweight", torch.int8, (8, 16), 128),
             ("flux1-dev/blocks.0.ff.wscales", torch.bfloat16, (2, 16), 64),
         ]
-        header = json.loads(weights(tmp_path).read_bytes()[8:][:struct.unpack("<Q", weights(tmp_path).read_bytes()[:8])[0]])
+        data = weights(tmp_path).read_bytes()
+        header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
         in_file = sorted((v["data_offsets"][0], k) for k, v in header.items() if k != "__metadata__")
         assert [e.name for e in got] == ["flux1-dev/blocks.0." + k for _, k in in_file]  # the file's order
         assert {e.owner_uid for e in got} == {os.getuid()}

@@ -40,11 +40,17 @@ const PeerCred kAlice = Peer(1001), kBob = Peer(1002), kRoot = Peer(0, 0);
 TEST(WeightStoreTest, PublishedSetsAreReadableWithTheirBytesAndListedByPrefix) {
   HostAllocator alloc;
   WeightStore store(&alloc, 1 << 20, std::nullopt);
+  std::vector<StoreEntryInfo> published;
   ASSERT_TRUE(store.Publish(kAlice, {Spec("flux/blocks.0.ff.qweight", {4, 8}, DType::kInt8),
                                      Spec("flux/blocks.0.ff.wscales", {2, 8}, DType::kBFloat16),
                                      Spec("flux/empty", {0, 3})},
-                            {}, FillIndex)
+                            {}, FillIndex, &published)
                   .ok());
+  ASSERT_EQ(published.size(), 3u);  // in specs order
+  EXPECT_EQ(published[1].name, "flux/blocks.0.ff.wscales");
+  EXPECT_EQ(published[1].bytes, 32u);
+  EXPECT_EQ(published[2].shape, (std::vector<int64_t>{0, 3}));
+  EXPECT_EQ(published[0].owner, 1001u);
   EXPECT_EQ(store.used_bytes(), 32u + 32u);
   EXPECT_EQ(alloc.live, 2);  // the empty tensor has no block
   StoreRef q;
