@@ -293,6 +293,8 @@ Status SafetensorsFile::Open(const std::string& path, std::unique_ptr<Safetensor
     return bad(s.ok() ? Bad("the header was cut short while reading") : s);
   }
   if (Status s = ParseSafetensorsHeader(header, 8 + n, size - 8 - n, &file->index_); !s.ok()) return bad(s);
+  for (const SafetensorsTensor& t : file->index_.tensors) file->by_name_.push_back(&t);
+  std::sort(file->by_name_.begin(), file->by_name_.end(), [](auto* a, auto* b) { return a->name < b->name; });
   *out = std::move(file);
   return Status::Ok();
 }
@@ -302,10 +304,9 @@ SafetensorsFile::~SafetensorsFile() {
 }
 
 const SafetensorsTensor* SafetensorsFile::Find(std::string_view name) const {
-  for (const SafetensorsTensor& t : index_.tensors) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
+  auto it = std::lower_bound(by_name_.begin(), by_name_.end(), name,
+                             [](const SafetensorsTensor* t, std::string_view n) { return t->name < n; });
+  return it != by_name_.end() && (*it)->name == name ? *it : nullptr;
 }
 
 Status SafetensorsFile::Read(const SafetensorsTensor& tensor, std::span<std::byte> dst) const {

@@ -105,7 +105,8 @@ class SafetensorsFile {
 
   const std::string& path() const { return path_; }
   const SafetensorsIndex& index() const { return index_; }
-  // The tensor named `name`, or nullptr.
+  // The tensor named `name`, or nullptr (a binary search: a publish that
+  // names thousands of a file's tensors stays linear in them).
   const SafetensorsTensor* Find(std::string_view name) const;
 
   // Reads `tensor` (one of index().tensors) into `dst` (exactly tensor.bytes
@@ -118,6 +119,7 @@ class SafetensorsFile {
   std::string path_;
   int fd_ = -1;
   SafetensorsIndex index_;
+  std::vector<const SafetensorsTensor*> by_name_;  // index_.tensors sorted by name
 };
 
 }  // namespace cache_dit_opd::server

@@ -11,7 +11,7 @@
 //     offset order tile [data_offset, size) exactly, each one's byte count is
 //     prod(shape) * element size (in 128-bit arithmetic), its dtype a wire
 //     dtype, its rank <= 8, names unique and 1..1024 bytes;
-//   - Read returns each tensor's bytes of the input exactly;
+//   - Find names each tensor; Read returns its bytes of the input exactly;
 //   - round trip: the index written back as a header (nlohmann's DOM, another
 //     writer) parses to the same index.
 #include <fcntl.h>
@@ -96,6 +96,7 @@ void Run(const uint8_t* data, size_t size) {
       if (bytes > size) bytes = size + 1;  // saturate: stays != t.bytes
     }
     OPD_FUZZ_CHECK(bytes == t.bytes && t.offset == at, t.name, " offset ", t.offset, " expected ", at);
+    OPD_FUZZ_CHECK(file->Find(t.name) == &t, "Find('", t.name, "') is not its tensor");
     at += t.bytes;
     std::vector<std::byte> got(t.bytes);
     const Status r = file->Read(t, got);
