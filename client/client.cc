@@ -12,6 +12,7 @@
 #include "client/core/session_channel.h"
 #include "client/core/session_engine.h"
 #include "client/discovery.h"
+#include "client/grpc_status.h"
 #include "common/call_proto.h"
 #include "common/cuda/device_guard.h"
 #include "common/cuda/driver_api.h"
@@ -22,10 +23,6 @@ namespace cache_dit_opd::client {
 namespace pb = ::cache_dit_opd::v1;
 using Clock = std::chrono::system_clock;
 
-namespace {
-
-// The daemon's answer as a Status: its code, its message and the Reason it
-// put in the trailing metadata (none for errors of gRPC itself).
 Status FromGrpc(const grpc::Status& g, const grpc::ClientContext& ctx, std::string_view what) {
   if (g.ok()) return Status::Ok();
   const int code = static_cast<int>(g.error_code());
@@ -47,6 +44,9 @@ Status FromGrpc(const grpc::Status& g, const grpc::ClientContext& ctx, std::stri
   }
   return Status(sc, std::string(what) + ": " + g.error_message(), reason);
 }
+
+namespace {
+
 
 Clock::time_point DeadlineIn(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
 

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,8 +20,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
+#include "cache_dit_opd/v1/session_memory.h"
 #include "client/core/session_channel.h"
 #include "client/discovery.h"
+#include "client/grpc_status.h"
 #include "common/flags.h"
 #include "common/gpu_uuid.h"
 #include "common/status.h"
@@ -47,7 +50,8 @@ constexpr char kUsage[] =
     "                           (0 with --live when it answers), 1 unreachable\n"
     "  sessions                 every session: pid, uid, command, calls, errors, regions, lanes, idle\n"
     "  stats                    counters, stage latencies, calls per op\n"
-    "  store                    the weight store's entries: name, dtype, shape, bytes, owner, users\n"
+    "  store [ls]               the weight store's entries: name, dtype, shape, bytes, owner, users\n"
+    "  store rm NAME...         delete entries (their owner or root; memory freed once unused)\n"
     "  drain                    stop accepting sessions, finish in-flight calls, exit (root or the\n"
     "                           daemon's uid)\n";
 
@@ -60,6 +64,7 @@ struct Args {
   std::string command;
   bool all = false;
   bool live = false;
+  std::vector<std::string> operands;  // after the command (store's subcommand and names)
 };
 
 Status ParseArgs(int argc, const char* const* argv, Args* a, bool* help) {
@@ -88,6 +93,8 @@ Status ParseArgs(int argc, const char* const* argv, Args* a, bool* help) {
       return Status::InvalidArgument("unknown flag '", flag, "'");
     } else if (a->command.empty()) {
       a->command = flag;
+    } else if (a->command == "store") {
+      a->operands.push_back(flag);
     } else {
       return Status::InvalidArgument("unexpected argument '", flag, "' after command '", a->command, "'");
     }
@@ -98,6 +105,14 @@ Status ParseArgs(int argc, const char* const* argv, Args* a, bool* help) {
   if (!kCommands.count(a->command)) return Status::InvalidArgument("unknown command '", a->command, "'");
   if ((a->all || a->live) && a->command != "status") {
     return Status::InvalidArgument(a->all ? "--all" : "--live", " applies to status only");
+  }
+  if (a->command == "store" && !a->operands.empty()) {
+    const std::string& sub = a->operands[0];
+    if (sub != "ls" && sub != "rm") return Status::InvalidArgument("unknown store command '", sub, "' (ls or rm)");
+    if (sub == "ls" && a->operands.size() > 1) {
+      return Status::InvalidArgument("unexpected argument '", a->operands[1], "' after 'store ls'");
+    }
+    if (sub == "rm" && a->operands.size() < 2) return Status::InvalidArgument("store rm needs the names to delete");
   }
   if (!a->gpu.empty() && !a->address.empty()) return Status::InvalidArgument("give --gpu or --address, not both");
   if (a->all && (!a->gpu.empty() || !a->address.empty())) {
@@ -184,10 +199,7 @@ Status Resolve(const Args& a, std::vector<DaemonAddress>* out) {
   return Status::Ok();
 }
 
-Status FromGrpc(const grpc::Status& s, const std::string& what) {
-  if (s.ok()) return Status::Ok();
-  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
-}
+using client::FromGrpc;
 
 // A reply's fields by their proto names, numbers as JSON numbers (proto3's
 // own JSON mapping writes 64-bit integers as strings).
@@ -322,17 +334,58 @@ class Daemon {
   Status Version(v1::VersionReply* out) {
     grpc::ClientContext ctx;
     Deadline(&ctx);
-    return FromGrpc(stub_->GetVersion(&ctx, v1::VersionRequest{}, out), "GetVersion on " + addr_.target);
+    return FromGrpc(stub_->GetVersion(&ctx, v1::VersionRequest{}, out), ctx, "GetVersion on " + addr_.target);
   }
   Status Stats(v1::StatsReply* out) {
     grpc::ClientContext ctx;
     Deadline(&ctx);
-    return FromGrpc(stub_->GetStats(&ctx, v1::StatsRequest{}, out), "GetStats on " + addr_.target);
+    return FromGrpc(stub_->GetStats(&ctx, v1::StatsRequest{}, out), ctx, "GetStats on " + addr_.target);
   }
   Status Store(v1::ListStoreReply* out) {  // session 0: every entry
     grpc::ClientContext ctx;
     Deadline(&ctx);
-    return FromGrpc(stub_->ListStore(&ctx, v1::ListStoreRequest{}, out), "ListStore on " + addr_.target);
+    return FromGrpc(stub_->ListStore(&ctx, v1::ListStoreRequest{}, out), ctx, "ListStore on " + addr_.target);
+  }
+  // Deleting needs an identity: a session of this process, bound on the
+  // session channel (the daemon reads SO_PEERCRED there), ring off; closed
+  // again by the destructor.
+  Status OpenBoundSession() {
+    v1::OpenSessionRequest req;
+    req.set_protocol_version(v1::kProtocolVersion);
+    req.set_client_pid(static_cast<int32_t>(getpid()));
+    req.set_lanes(1);
+    req.set_client_name("cache-dit-opdctl");
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    OPD_RETURN_IF_ERROR(FromGrpc(stub_->OpenSession(&ctx, req, &session_), ctx, "OpenSession at " + addr_.target));
+    client::UniqueFd memfd;
+    uint64_t shm_bytes = 0;
+    Status s = client::ConnectSessionChannel(session_.session_channel_path(), &channel_);
+    if (s.ok()) {
+      s = client::BindSession(channel_.get(), session_.session_id(), session_.token(), timeout_ms_, 0, &memfd,
+                              &shm_bytes);
+    }
+    return s;  // the memfd is not needed: it closes here
+  }
+  Status DeleteStore(const std::string& name) {
+    v1::DeleteStoreRequest req;
+    req.set_session_id(session_.session_id());
+    req.set_token(session_.token());
+    req.set_name(name);
+    v1::DeleteStoreReply reply;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    return FromGrpc(stub_->DeleteStore(&ctx, req, &reply), ctx, "DeleteStore '" + name + "'");
+  }
+  ~Daemon() {
+    if (session_.session_id() == 0) return;
+    v1::CloseSessionRequest req;
+    req.set_session_id(session_.session_id());
+    req.set_token(session_.token());
+    v1::CloseSessionReply reply;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    (void)stub_->CloseSession(&ctx, req, &reply);  // best effort: closing the channel ends it too
   }
   const DaemonAddress& address() const { return addr_; }
   int timeout_ms() const { return timeout_ms_; }
@@ -345,6 +398,8 @@ class Daemon {
   DaemonAddress addr_;
   int timeout_ms_;
   std::unique_ptr<v1::OperatorDaemon::Stub> stub_;
+  v1::OpenSessionReply session_;  // session_id 0 until OpenBoundSession
+  client::UniqueFd channel_;
 };
 
 // ---- status -------------------------------------------------------------------
@@ -522,7 +577,47 @@ int RunStats(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
   return kExitOk;
 }
 
+// Deletes every name, going on past a failed one; exit 1 when any failed.
+int RunStoreRm(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
+  std::vector<std::string> deleted;
+  std::vector<std::pair<std::string, Status>> failed;
+  const std::vector<std::string> names(a.operands.begin() + 1, a.operands.end());
+  if (Status s = d.OpenBoundSession(); !s.ok()) {
+    for (const std::string& n : names) failed.emplace_back(n, s);
+  } else {
+    for (const std::string& n : names) {
+      if (Status s = d.DeleteStore(n); s.ok()) {
+        deleted.push_back(n);
+      } else {
+        failed.emplace_back(n, s);
+      }
+    }
+  }
+  if (a.json) {
+    pb::Value j;
+    auto& f = *j.mutable_struct_value()->mutable_fields();
+    f["address"] = Str(d.address().target);
+    auto& del = *f["deleted"].mutable_list_value();
+    for (const std::string& n : deleted) *del.add_values() = Str(n);
+    auto& errs = *f["errors"].mutable_list_value();
+    for (const auto& [n, s] : failed) {
+      pb::Value e;
+      auto& ef = *e.mutable_struct_value()->mutable_fields();
+      ef["name"] = Str(n);
+      ef["error"] = Str(s.message());
+      ef["reason"] = Str(ReasonName(s.reason()));
+      *errs.add_values() = e;
+    }
+    PrintJson(j, out);
+  } else {
+    for (const std::string& n : deleted) out << "deleted " << n << "\n";
+  }
+  for (const auto& [n, s] : failed) err << "cache-dit-opdctl: store rm " << n << ": " << s.message() << "\n";
+  return failed.empty() ? kExitOk : kExitFailed;
+}
+
 int RunStore(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
+  if (!a.operands.empty() && a.operands[0] == "rm") return RunStoreRm(a, d, out, err);
   v1::ListStoreReply l;
   if (Status st = d.Store(&l); !st.ok()) {
     err << "cache-dit-opdctl: " << st.message() << "\n";

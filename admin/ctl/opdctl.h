@@ -1,8 +1,9 @@
 // File: admin/ctl/opdctl.h
 //
 // cache-dit-opdctl: the operator's CLI of the daemon. A client like any
-// other (gRPC GetVersion / GetStats / ListStore, and the session channel for drain): it
-// never opens a session, so it works on a daemon without a GPU.
+// other (gRPC GetVersion / GetStats / ListStore, and the session channel for drain): only
+// `store rm` opens a session (deleting needs an identity), so the rest works on a
+// daemon without a GPU.
 //
 //   cache-dit-opdctl [--gpu INDEX|UUID | --address PATH] [--runtime-dir DIR]
 //                    [--json] [--timeout-ms MS] COMMAND
@@ -11,9 +12,14 @@
 //   sessions                 pid, uid, command, calls, errors, regions, mapped bytes,
 //                            lanes, ring, last activity of every session
 //   stats                    daemon-wide counters, stage latencies, per-op rows
-//   store                    the weight store's entries (ListStore of session 0):
+//   store [ls]               the weight store's entries (ListStore of session 0):
 //                            name, dtype, shape, bytes, owner uid, calls and mappings
 //                            using it; bytes in use of --max-store-bytes
+//   store rm NAME...         DeleteStore of each name in a session of its own, bound on
+//                            the session channel (the daemon allows the entry's owner
+//                            and root: server/store/weight_store.h); goes on past a
+//                            name that fails, exit 1 if any did; --json: {address,
+//                            deleted: [names], errors: [{name, error, reason}]}
 //   drain                    stop accepting sessions, let queued calls finish, exit 0
 //                            (root and the daemon's uid only: the daemon checks
 //                            SO_PEERCRED on the session channel)

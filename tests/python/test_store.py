@@ -210,3 +210,36 @@ def test_opdctl_store_lists_every_entry_as_a_table_and_json(daemon, tmp_path):
         assert "3 entries;" in human.stdout
     finally:
         s.close()
+
+
+def test_opdctl_store_rm_deletes_each_name_and_names_the_ones_it_could_not(daemon, tmp_path):
+    from test_client_reasons import wait_for
+    from test_operations import _open_to_everyone, opdctl, opdctl_json
+
+    s = open_session(daemon)
+    try:
+        store.publish_file(weights(tmp_path), prefix="flux/", session=s)
+        # One known name, one unknown: the known one goes, the unknown one is named with its reason.
+        j = opdctl_json("--address", str(daemon.socket), "store", "rm", "flux/ff.bias", "flux/nope", expect_rc=1)
+        assert j["deleted"] == ["flux/ff.bias"]
+        assert [(e["name"], e["reason"]) for e in j["errors"]] == [("flux/nope", "STORE_UNKNOWN")]
+        assert "flux/nope" in j["errors"][0]["error"]
+        assert [e.name for e in store.list_entries(session=s)] == ["flux/ff.qweight", "flux/ff.wscales"]
+        human = opdctl("--address", str(daemon.socket), "store", "rm", "flux/ff.qweight")
+        assert human.returncode == 0 and human.stdout == "deleted flux/ff.qweight\n", (human.stdout, human.stderr)
+        assert [e.name for e in store.list_entries(session=s)] == ["flux/ff.wscales"]
+        assert opdctl_json("--address", str(daemon.socket), "store", "ls")["store"]["store_bytes"] == 64
+        # Usage errors name what is wrong; opdctl's own sessions are gone.
+        for args, says in ((["store", "rm"], "needs the names"), (["store", "mv", "x"], "unknown store command 'mv'"),
+                           (["store", "ls", "x"], "unexpected argument 'x'"), (["stats", "x"], "unexpected argument")):
+            r = opdctl("--address", str(daemon.socket), *args)
+            assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
+            wait_for(lambda: len(s._stub.GetStats(s._pb.StatsRequest()).session) == 1)  # opdctl's sessions closed
+        if os.geteuid() == 0:  # another uid cannot even bind a session, so it deletes nothing
+            _open_to_everyone(daemon)
+            r = opdctl("--address", str(daemon.socket), "store", "rm", "flux/ff.wscales", user=65534)
+            assert r.returncode == 1 and "flux/ff.wscales" in r.stderr and "uid 65534" in r.stderr, r.stderr
+            assert [e.name for e in store.list_entries(session=s)] == ["flux/ff.wscales"]
+        assert daemon.alive()
+    finally:
+        s.close()
