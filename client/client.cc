@@ -47,7 +47,6 @@ Status FromGrpc(const grpc::Status& g, const grpc::ClientContext& ctx, std::stri
 
 namespace {
 
-
 Clock::time_point DeadlineIn(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
 
 int RemainingMs(Clock::time_point deadline) {

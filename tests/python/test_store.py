@@ -234,7 +234,7 @@ def test_opdctl_store_rm_deletes_each_name_and_names_the_ones_it_could_not(daemo
                            (["store", "ls", "x"], "unexpected argument 'x'"), (["stats", "x"], "unexpected argument")):
             r = opdctl("--address", str(daemon.socket), *args)
             assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
-            wait_for(lambda: len(s._stub.GetStats(s._pb.StatsRequest()).session) == 1)  # opdctl's sessions closed
+        wait_for(lambda: len(s._stub.GetStats(s._pb.StatsRequest()).session) == 1)  # opdctl's sessions closed
         if os.geteuid() == 0:  # another uid cannot even bind a session, so it deletes nothing
             _open_to_everyone(daemon)
             r = opdctl("--address", str(daemon.socket), "store", "rm", "flux/ff.wscales", user=65534)
