@@ -20,27 +20,6 @@ CACHE_DIT_OPD_REASONS(CACHE_DIT_OPD_X)
 static_assert(v1::Reason_ARRAYSIZE == v1::kReasonCount, "opd.proto has a reason wire.h does not");
 
 
-Status TensorFromProto(int index, const v1::TensorRef& in, TensorRef* out) {
-  if (in.sizes_size() > kMaxTensorDims) {
-    return Status::Rejected(Reason::kBadArgument, "argument ", index, ": tensor has ", in.sizes_size(), " dims, at most ",
-                                   kMaxTensorDims);
-  }
-  if (in.sizes_size() != in.strides_size()) {
-    return Status::Rejected(Reason::kBadArgument, "argument ", index, ": tensor has ", in.sizes_size(), " sizes but ",
-                                   in.strides_size(), " strides");
-  }
-  const int dtype = static_cast<int>(in.dtype());
-  if (!IsWireDType(dtype)) {
-    return Status::Rejected(Reason::kBadArgument, "argument ", index, ": dtype ", dtype, " is not a protocol v1 dtype");
-  }
-  out->region_id = in.region_id();
-  out->byte_offset = in.byte_offset();
-  out->sizes.assign(in.sizes().begin(), in.sizes().end());
-  out->strides.assign(in.strides().begin(), in.strides().end());
-  out->dtype = static_cast<DType>(dtype);
-  return Status::Ok();
-}
-
 template <typename L>
 Status CheckList(int index, const L& list) {
   if (list.values_size() > kMaxListLength) {
@@ -51,6 +30,27 @@ Status CheckList(int index, const L& list) {
 }
 
 }  // namespace
+
+Status TensorFromProto(std::string_view what, const v1::TensorRef& in, TensorRef* out) {
+  if (in.sizes_size() > kMaxTensorDims) {
+    return Status::Rejected(Reason::kBadArgument, what, ": tensor has ", in.sizes_size(), " dims, at most ",
+                            kMaxTensorDims);
+  }
+  if (in.sizes_size() != in.strides_size()) {
+    return Status::Rejected(Reason::kBadArgument, what, ": tensor has ", in.sizes_size(), " sizes but ",
+                            in.strides_size(), " strides");
+  }
+  const int dtype = static_cast<int>(in.dtype());
+  if (!IsWireDType(dtype)) {
+    return Status::Rejected(Reason::kBadArgument, what, ": dtype ", dtype, " is not a protocol v1 dtype");
+  }
+  out->region_id = in.region_id();
+  out->byte_offset = in.byte_offset();
+  out->sizes.assign(in.sizes().begin(), in.sizes().end());
+  out->strides.assign(in.strides().begin(), in.strides().end());
+  out->dtype = static_cast<DType>(dtype);
+  return Status::Ok();
+}
 
 Status CallFromProto(const v1::CallRequest& in, CallRequest* out) {
   if (in.args_size() > kMaxArgs) {
@@ -68,7 +68,7 @@ Status CallFromProto(const v1::CallRequest& in, CallRequest* out) {
     switch (a.value_case()) {
       case v1::Argument::kTensor: {
         TensorRef t;
-        OPD_RETURN_IF_ERROR(TensorFromProto(i, a.tensor(), &t));
+        OPD_RETURN_IF_ERROR(TensorFromProto("argument " + std::to_string(i), a.tensor(), &t));
         out->args.emplace_back(std::move(t));
         break;
       }

@@ -9,6 +9,8 @@
 // gRPC side (protobuf headers).
 #pragma once
 
+#include <string_view>
+
 #include "cache_dit_opd/v1/opd.pb.h"
 #include "common/call.h"
 #include "common/status.h"
@@ -22,6 +24,12 @@ namespace cache_dit_opd {
 // kMaxTensorDims dims or sizes/strides of different ranks, an unknown or
 // unspecified dtype, a list longer than kMaxListLength.
 Status CallFromProto(const v1::CallRequest& in, CallRequest* out);
+
+// TensorFromProto
+//
+// One tensor reference (a call's argument, a tensor to publish); errors are
+// CallFromProto's, each starting with `what` ("argument 3").
+Status TensorFromProto(std::string_view what, const v1::TensorRef& in, TensorRef* out);
 
 // CallToProto
 //

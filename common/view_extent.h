@@ -76,4 +76,25 @@ inline bool DenseBytes(std::span<const int64_t> shape, uint64_t itemsize, uint64
   return true;
 }
 
+// FirstNonContiguousDim
+//
+// -1 when the view is row-major dense (each dim of size > 1 has the product
+// of the sizes after it as its stride; a dim of size 1 may have any stride,
+// as torch allows), else the last dim that breaks it, with the stride it
+// would need in `*expected`. Sizes and strides have the same rank; the
+// product cannot overflow for a view whose extent was checked.
+inline int FirstNonContiguousDim(std::span<const int64_t> sizes, std::span<const int64_t> strides,
+                                 int64_t* expected = nullptr) {
+  int64_t want = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] == 1) continue;
+    if (strides[i] != want) {
+      if (expected != nullptr) *expected = want;
+      return static_cast<int>(i);
+    }
+    want *= sizes[i];
+  }
+  return -1;
+}
+
 }  // namespace cache_dit_opd

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <random>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -18,6 +19,15 @@ namespace {
 uint64_t MillisSince(Clock::time_point t) {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count());
 }
+
+uint64_t RandomInstance() {
+  std::random_device rd;
+  return (uint64_t{rd()} << 32) ^ rd();
+}
+
+// A weight-store block's key among a session's regions (never an IPC
+// handle's 64 bytes).
+std::string StoreRegionKey(uint64_t publish_id) { return "store-block:" + std::to_string(publish_id); }
 }  // namespace
 
 Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> catalog,
@@ -27,6 +37,7 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
       catalog_(std::move(catalog)),
       deps_(deps),
       session_socket_(std::move(session_socket)),
+      instance_(RandomInstance()),
       stats_(catalog_) {
   health_ = not_serving_reason.empty() ? Health::kServing : Health::kNoDevice;
   not_serving_reason_ = std::move(not_serving_reason);
@@ -65,6 +76,29 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
     OPD_RETURN_IF_ERROR(PeerPolicy::ForThisProcess(options_.allowed_gid).AdmitAdmin(peer));
     RequestShutdown(0, "drain requested by pid " + std::to_string(peer.pid) + " uid " + std::to_string(peer.uid));
     return Status::Ok();
+  });
+  // Registering may release a session's pending regions (which may
+  // synchronize the device): on the reaper, off the channel thread.
+  channel_->SetAttachHandler([this](std::shared_ptr<Session> s, std::string name, int reply_fd) {
+    auto task = [this, s = std::move(s), name = std::move(name), reply_fd] {
+      v1::StoreAttachReply reply{};
+      int fd = -1;
+      Status st = AttachStore(*s, name, &reply, &fd);
+      if (!st.ok()) {
+        static LogThrottle refused(10, std::chrono::seconds(10));  // a peer attaches at will
+        if (const auto v = refused.Next(); v.log) {
+          spdlog::warn("session {}: store attach of '{}' refused: {}{}", s->id(), name, st.ToString(),
+                       SuppressedNote(v.suppressed));
+        }
+      }
+      (void)SendAttachReply(reply_fd, st, reply, fd);  // best effort: the peer may be gone
+      if (fd >= 0) close(fd);
+      close(reply_fd);
+    };
+    if (!reaper_->Post(task)) {
+      (void)SendAttachReply(reply_fd, Status::Rejected(Reason::kDraining, "the daemon is shutting down"), {}, -1);
+      close(reply_fd);
+    }
   });
 }
 
@@ -269,8 +303,8 @@ Status Daemon::Store(server::WeightStore** out) const {
                           "the weight store is off: start the daemon with --max-store-bytes SIZE (e.g. 16G)");
 }
 
-void Daemon::PublishFile(uint64_t session_id, std::string_view token, server::PublishFileParams params,
-                         std::function<void(const Status&, const StoreListing&)> done) {
+void Daemon::Publish(uint64_t session_id, std::string_view token, std::string what, PublishWork work,
+                     std::function<void(const Status&, const StoreListing&)> done) {
   server::WeightStore* store = nullptr;
   std::shared_ptr<Session> s;
   Status st = Store(&store);
@@ -283,22 +317,21 @@ void Daemon::PublishFile(uint64_t session_id, std::string_view token, server::Pu
     done(st, StoreListing{});
     return;
   }
-  const PeerCred owner = s->peer();
-  auto task = [this, store, owner, params = std::move(params), done]() {
+  // The task holds the session: the regions a publish copies from stay (pinned) until it is done.
+  auto task = [store, s, what = std::move(what), work = std::move(work), done]() {
     StoreListing listing;
-    Status ps = server::PublishFile(*store, owner, params, &listing.entries);
+    Status ps = work(*store, *s, &listing.entries);
     listing.used_bytes = store->used_bytes();
     listing.max_bytes = store->max_bytes();
     // A peer publishes (and fails to) at will: a bounded number of lines per interval, either way.
     static LogThrottle published(10, std::chrono::seconds(10)), refused(10, std::chrono::seconds(10));
     if (ps.ok()) {
       if (const auto v = published.Next(); v.log) {
-        spdlog::info("store: uid {} published {} tensors from {} under '{}' ({} of {} bytes in use){}", owner.uid,
-                     listing.entries.size(), params.path, params.prefix, listing.used_bytes, listing.max_bytes,
-                     SuppressedNote(v.suppressed));
+        spdlog::info("store: uid {} published {} tensors from {} ({} of {} bytes in use){}", s->peer().uid,
+                     listing.entries.size(), what, listing.used_bytes, listing.max_bytes, SuppressedNote(v.suppressed));
       }
     } else if (const auto v = refused.Next(); v.log) {
-      spdlog::warn("store: publish of {} by uid {} refused: {}{}", params.path, owner.uid, ps.ToString(),
+      spdlog::warn("store: publish from {} by uid {} refused: {}{}", what, s->peer().uid, ps.ToString(),
                    SuppressedNote(v.suppressed));
     }
     done(ps, listing);
@@ -306,6 +339,60 @@ void Daemon::PublishFile(uint64_t session_id, std::string_view token, server::Pu
   if (!store_worker_.Post(std::move(task))) {
     done(Status::Rejected(Reason::kDraining, "the daemon is shutting down"), StoreListing{});
   }
+}
+
+void Daemon::PublishFile(uint64_t session_id, std::string_view token, server::PublishFileParams params,
+                         std::function<void(const Status&, const StoreListing&)> done) {
+  std::string what = params.path + " under '" + params.prefix + "'";
+  Publish(session_id, token, std::move(what),
+          [params = std::move(params)](server::WeightStore& store, Session& s, std::vector<server::StoreEntryInfo>* out) {
+            return server::PublishFile(store, s.peer(), params, out);
+          },
+          std::move(done));
+}
+
+void Daemon::PublishTensors(uint64_t session_id, std::string_view token, std::vector<server::NamedTensor> tensors,
+                            std::vector<uid_t> readers, std::function<void(const Status&, const StoreListing&)> done) {
+  Publish(session_id, token, "session " + std::to_string(session_id) + "'s tensors",
+          [tensors = std::move(tensors), readers = std::move(readers)](
+              server::WeightStore& store, Session& s, std::vector<server::StoreEntryInfo>* out) {
+            return server::PublishTensors(store, s.peer(), s.regions(), tensors, readers, out);
+          },
+          std::move(done));
+}
+
+Status Daemon::AttachStore(Session& s, std::string_view name, v1::StoreAttachReply* reply, int* fd) {
+  server::WeightStore* store = nullptr;
+  OPD_RETURN_IF_ERROR(Store(&store));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    OPD_RETURN_IF_ERROR(NotServingLocked());
+  }
+  server::StoreRef ref;
+  OPD_RETURN_IF_ERROR(store->Lookup(s.peer(), name, &ref));
+  reply->daemon_instance = instance_;
+  reply->block_id = ref->publish_id;
+  reply->offset = ref->offset;
+  reply->bytes = ref->bytes;
+  reply->dtype = static_cast<uint32_t>(ref->dtype);
+  reply->ndim = static_cast<uint32_t>(ref->shape.size());
+  std::copy(ref->shape.begin(), ref->shape.end(), reply->shape);
+  if (ref->block == nullptr) {  // an empty tensor: no memory, no region
+    reply->region_id = kNoRegion;
+    return Status::Ok();
+  }
+  reply->block_bytes = ref->block->bytes();
+  // The session reaches every entry of the set through the block: it holds
+  // each it may read (so each counts the attachment, and stays until the
+  // region is released).
+  std::vector<std::shared_ptr<const void>> held{ref};
+  for (server::StoreRef& e : store->SetEntries(s.peer(), ref->publish_id)) held.push_back(std::move(e));
+  RegionRegistry::Registered r;
+  void* base = reinterpret_cast<void*>(ref->block->address());
+  OPD_RETURN_IF_ERROR(s.regions().RegisterShared(StoreRegionKey(ref->publish_id), base, ref->block->bytes(),
+                                                 std::move(held), &r));
+  reply->region_id = r.region_id;
+  return ref->block->ExportFd(fd);
 }
 
 Status Daemon::ListStore(uint64_t session_id, std::string_view token, std::string_view prefix,

@@ -46,6 +46,7 @@
 #include "server/session/session_channel.h"
 #include "server/session/session_manager.h"
 #include "server/store/publish_file.h"
+#include "server/store/publish_tensors.h"
 #include "server/store/weight_store.h"
 
 namespace cache_dit_opd {
@@ -193,6 +194,18 @@ class Daemon {
   // thread; the owner and the reader of an entry is the bound session's peer.
   void PublishFile(uint64_t session_id, std::string_view token, server::PublishFileParams params,
                    std::function<void(const Status&, const StoreListing&)> done);
+  // PublishTensors: the session's own tensors (dense views in its regions)
+  // copied into one new set, on the store's thread.
+  void PublishTensors(uint64_t session_id, std::string_view token, std::vector<server::NamedTensor> tensors,
+                      std::vector<uid_t> readers, std::function<void(const Status&, const StoreListing&)> done);
+  // What a StoreAttachRequest does once the session channel admitted it (on
+  // the reaper thread): looks `name` up as the session's peer, lends the
+  // session its set's block as a read-only region and exports the block's
+  // descriptor into `*fd` (-1 for an empty tensor). Reply fields as
+  // session_memory.h says; status and message are the caller's.
+  Status AttachStore(Session& s, std::string_view name, v1::StoreAttachReply* reply, int* fd);
+  // Random at start: with a block id, what a client's mapping must match.
+  uint64_t instance() const { return instance_; }
   // session_id 0: every entry (the operator's view, as GetStats(0)).
   Status ListStore(uint64_t session_id, std::string_view token, std::string_view prefix, StoreListing* out) const;
   Status DeleteStore(uint64_t session_id, std::string_view token, std::string_view name);
@@ -245,6 +258,12 @@ class Daemon {
   void OnFatal(const Status& status);
   // The store, or why there is none (RESOURCE_EXHAUSTED / NOT_SERVING).
   Status Store(server::WeightStore** out) const;
+  // The publish RPCs: the same checks, then `work` on the store's thread,
+  // logged (naming `what`, the source) and answered the same way.
+  using PublishWork =
+      std::function<Status(server::WeightStore&, Session&, std::vector<server::StoreEntryInfo>* out)>;
+  void Publish(uint64_t session_id, std::string_view token, std::string what, PublishWork work,
+               std::function<void(const Status&, const StoreListing&)> done);
 
   const Options options_;
   const DaemonInfo info_;
@@ -252,6 +271,7 @@ class Daemon {
   const DaemonDeps deps_;
   const std::string session_socket_;
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  const uint64_t instance_;
 
   DaemonStats stats_;
   std::unique_ptr<Reaper> reaper_;

@@ -50,7 +50,8 @@ constexpr char kUsage[] =
     "                           (0 with --live when it answers), 1 unreachable\n"
     "  sessions                 every session: pid, uid, command, calls, errors, regions, lanes, idle\n"
     "  stats                    counters, stage latencies, calls per op\n"
-    "  store [ls]               the weight store's entries: name, dtype, shape, bytes, owner, users\n"
+    "  store [ls]               the weight store's entries: name, dtype, shape, bytes, set, owner, sessions\n"
+    "                           that have its set attached\n"
     "  store rm NAME...         delete entries (their owner or root; memory freed once unused)\n"
     "  drain                    stop accepting sessions, finish in-flight calls, exit (root or the\n"
     "                           daemon's uid)\n";
@@ -627,14 +628,14 @@ int RunStore(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) {
     PrintReplyJson(d, "store", l, out);
     return kExitOk;
   }
-  std::vector<std::vector<std::string>> rows{{"NAME", "DTYPE", "SHAPE", "BYTES", "OWNER", "USERS"}};
+  std::vector<std::vector<std::string>> rows{{"NAME", "DTYPE", "SHAPE", "BYTES", "SET", "OWNER", "ATTACHED"}};
   for (const v1::StoreEntry& e : l.entries()) {
     std::string shape = "[";
     for (int i = 0; i < e.shape_size(); ++i) shape += (i ? ", " : "") + std::to_string(e.shape(i));
     std::string dtype = v1::DType_Name(e.dtype());
     if (dtype.rfind("DTYPE_", 0) == 0) dtype = dtype.substr(6);
-    rows.push_back({e.name(), dtype, shape + "]", Bytes(e.bytes()), std::to_string(e.owner_uid()),
-                    std::to_string(e.refs())});
+    rows.push_back({e.name(), dtype, shape + "]", Bytes(e.bytes()), std::to_string(e.set_id()),
+                    std::to_string(e.owner_uid()), std::to_string(e.refs())});
   }
   PrintTable(rows, out);
   out << l.entries_size() << " entries; " << Bytes(l.store_bytes()) << " of " << Bytes(l.max_store_bytes())

@@ -156,9 +156,20 @@ Status RegionCache::Forget(const void* ptr) {
 }
 
 bool RegionCache::Find(const void* ptr, uint64_t nbytes, ResolvedRegion* out) {
+  const auto p = reinterpret_cast<uint64_t>(ptr);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = fixed_.upper_bound(p); it != fixed_.begin()) {
+      const ResolvedRegion& r = (--it)->second;
+      if (p - r.alloc.base < r.alloc.size) {
+        if (nbytes > r.alloc.size - (p - r.alloc.base)) return false;
+        *out = r;
+        return true;
+      }
+    }
+  }
   AllocationInfo a;
   if (!backend_->Lookup(ptr, &a).ok() || a.device != device_) return false;
-  const auto p = reinterpret_cast<uint64_t>(ptr);
   // Lookup guarantees base <= p < base + size; the view must end inside too.
   if (nbytes > a.size - (p - a.base)) return false;
   std::lock_guard<std::mutex> lock(mu_);
@@ -176,20 +187,24 @@ void RegionCache::Add(const AllocationInfo& alloc, uint64_t region_id) {
   by_base_[alloc.base] = ResolvedRegion{alloc, region_id};
 }
 
+void RegionCache::AddFixed(uint64_t base, uint64_t size, uint64_t region_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fixed_[base] = ResolvedRegion{AllocationInfo{base, size, 0, device_}, region_id};
+}
+
 void RegionCache::ForgetIds(const std::vector<uint64_t>& region_ids) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = by_base_.begin(); it != by_base_.end();) {
-    if (std::find(region_ids.begin(), region_ids.end(), it->second.region_id) != region_ids.end()) {
-      it = by_base_.erase(it);
-    } else {
-      ++it;
-    }
+  for (auto* table : {&by_base_, &fixed_}) {
+    std::erase_if(*table, [&](const auto& kv) {
+      return std::find(region_ids.begin(), region_ids.end(), kv.second.region_id) != region_ids.end();
+    });
   }
 }
 
 void RegionCache::Drop(uint64_t base) {
   std::lock_guard<std::mutex> lock(mu_);
   by_base_.erase(base);
+  fixed_.erase(base);
 }
 
 Status RegionCache::Prune(size_t* removed) {
@@ -216,11 +231,12 @@ Status RegionCache::Prune(size_t* removed) {
 void RegionCache::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   by_base_.clear();
+  fixed_.clear();
 }
 
 size_t RegionCache::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return by_base_.size();
+  return by_base_.size() + fixed_.size();
 }
 
 }  // namespace cache_dit_opd::client

@@ -140,7 +140,8 @@ class RegionCache {
   //
   // Without registering anything: the region holding [ptr, ptr + nbytes)
   // when its allocation is cached as it is now (same base, size and buffer
-  // id; a freed and re-made allocation has a new buffer id). One driver query.
+  // id; a freed and re-made allocation has a new buffer id). One driver
+  // query, none for a fixed range.
   bool Find(const void* ptr, uint64_t nbytes, ResolvedRegion* out);
 
   // RegionCache::Add / Drop
@@ -148,6 +149,15 @@ class RegionCache {
   // Entries registered (or forgotten) by the owner of registration.
   void Add(const AllocationInfo& alloc, uint64_t region_id);
   void Drop(uint64_t base);
+
+  // RegionCache::AddFixed
+  //
+  // A range the owner itself mapped and keeps mapped until it calls Drop
+  // (a weight-store block attached read-only): Find trusts it without
+  // asking the driver, which knows such a mapping as no legacy allocation.
+  // Its address range cannot be reused while it stays mapped, so no buffer
+  // id is needed to tell it apart.
+  void AddFixed(uint64_t base, uint64_t size, uint64_t region_id);
   // Drops the entries of these region ids (the daemon no longer knows them),
   // without telling the daemon.
   void ForgetIds(const std::vector<uint64_t>& region_ids);
@@ -177,6 +187,7 @@ class RegionCache {
   int device_;
   mutable std::mutex mu_;
   std::map<uint64_t, ResolvedRegion> by_base_;  // guarded by mu_
+  std::map<uint64_t, ResolvedRegion> fixed_;    // AddFixed; guarded by mu_
 };
 
 }  // namespace cache_dit_opd::client

@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -43,13 +44,28 @@ Status ConnectSessionChannel(const std::string& path, UniqueFd* out) {
 
 namespace {
 
-// Sends one request message and receives the one BindReply the daemon
-// answers every first message with. A refusal (status_code != 0) comes back
+// The daemon's refusal in a reply of type R (BindReply, StoreAttachReply),
+// prefixed with `what`; OK when status_code is 0.
+template <typename R>
+Status Refusal(const R& reply, const char* what) {
+  if (reply.status_code == 0) return Status::Ok();
+  const size_t len = strnlen(reply.message, sizeof(reply.message));
+  const int code = reply.status_code;
+  const auto sc = (code > 0 && code <= static_cast<int>(StatusCode::kUnavailable)) ? static_cast<StatusCode>(code)
+                                                                                  : StatusCode::kUnknown;
+  return Status(sc, std::string(what) + " refused by the daemon: " + std::string(reply.message, len),
+                ReasonFromWire(reply.reason));
+}
+
+// Sends one request message and receives the one reply the daemon answers
+// it with, of type R (or a BindReply refusal, which is how the daemon
+// answers a connection it refuses before reading it). A refusal comes back
 // as the daemon's status and reason, prefixed with `what`; on success
 // `*reply` and `*fds` hold the reply and every descriptor that came with it
 // (owned, so none leaks on an error path).
-Status Exchange(int fd, const void* request, size_t request_bytes, const char* what, int timeout_ms,
-                v1::BindReply* reply, std::vector<UniqueFd>* fds) {
+template <typename R>
+Status Exchange(int fd, const void* request, size_t request_bytes, const char* what, int timeout_ms, R* reply,
+                std::vector<UniqueFd>* fds) {
   ssize_t n;
   do {
     n = ::send(fd, request, request_bytes, MSG_NOSIGNAL);
@@ -70,9 +86,9 @@ Status Exchange(int fd, const void* request, size_t request_bytes, const char* w
   if (rc == 0) return Status::DeadlineExceeded("no reply to the ", what, " request within ", timeout_ms, " ms");
   if (rc < 0) return Status::Internal("poll(session channel): ", std::strerror(errno));
 
-  // One byte more than a BindReply, so an oversized message shows up as
-  // MSG_TRUNC or a longer read instead of passing as a valid reply.
-  alignas(v1::BindReply) char buf[sizeof(v1::BindReply) + 1];
+  // One byte more than the larger reply, so an oversized message shows up
+  // as MSG_TRUNC or a longer read instead of passing as a valid reply.
+  alignas(8) char buf[std::max(sizeof(R), sizeof(v1::BindReply)) + 1];
   constexpr int kMaxFds = 8;
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
   iovec iov{buf, sizeof(buf)};
@@ -100,21 +116,19 @@ Status Exchange(int fd, const void* request, size_t request_bytes, const char* w
     return Status::Unavailable("the daemon closed the session channel before replying to the ", what,
                                " request (session expired, wrong token, or daemon shutting down)");
   }
-  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || n != static_cast<ssize_t>(sizeof(v1::BindReply))) {
-    return Status::Internal("malformed reply to the ", what, " request: ", n, " bytes (expected ",
-                            sizeof(v1::BindReply), ")", (msg.msg_flags & MSG_CTRUNC) ? ", control data truncated" : "");
+  if (!(msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && sizeof(R) != sizeof(v1::BindReply) &&
+      n == static_cast<ssize_t>(sizeof(v1::BindReply))) {
+    v1::BindReply refused;  // refused before the request was read
+    std::memcpy(&refused, buf, sizeof(refused));
+    if (Status s = Refusal(refused, what); !s.ok()) return s;
+    return Status::Internal("malformed reply to the ", what, " request: a bind reply that refuses nothing");
+  }
+  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || n != static_cast<ssize_t>(sizeof(R))) {
+    return Status::Internal("malformed reply to the ", what, " request: ", n, " bytes (expected ", sizeof(R), ")",
+                            (msg.msg_flags & MSG_CTRUNC) ? ", control data truncated" : "");
   }
   std::memcpy(reply, buf, sizeof(*reply));
-  if (reply->status_code != 0) {
-    const size_t len = strnlen(reply->message, sizeof(reply->message));
-    const int code = reply->status_code;
-    const auto sc = (code > 0 && code <= static_cast<int>(StatusCode::kUnavailable))
-                        ? static_cast<StatusCode>(code)
-                        : StatusCode::kUnknown;
-    return Status(sc, std::string(what) + " refused by the daemon: " + std::string(reply->message, len),
-                  ReasonFromWire(reply->reason));
-  }
-  return Status::Ok();
+  return Refusal(*reply, what);
 }
 
 }  // namespace
@@ -145,6 +159,35 @@ Status BindSession(int fd, uint64_t session_id, std::string_view token, int time
   }
   *memfd = std::move(fds[0]);
   *shm_bytes = reply.shared_memory_bytes;
+  return Status::Ok();
+}
+
+Status AttachStoreEntry(int fd, uint64_t session_id, std::string_view token, std::string_view name, int timeout_ms,
+                        StoreAttachment* out) {
+  if (token.size() != v1::kTokenBytes) {
+    return Status::InvalidArgument("session token is ", token.size(), " bytes, expected ", v1::kTokenBytes);
+  }
+  if (name.empty() || name.size() > v1::kMaxStoreNameBytes) {
+    return Status::InvalidArgument("store name of ", name.size(), " bytes (1 to ", v1::kMaxStoreNameBytes, ")");
+  }
+  v1::StoreAttachRequest req{};
+  req.magic = v1::kStoreAttachMagic;
+  req.protocol_version = v1::kProtocolVersion;
+  req.session_id = session_id;
+  std::memcpy(req.token, token.data(), v1::kTokenBytes);
+  req.name_bytes = static_cast<uint32_t>(name.size());
+  std::memcpy(req.name, name.data(), name.size());
+  std::vector<UniqueFd> fds;
+  OPD_RETURN_IF_ERROR(Exchange(fd, &req, sizeof(req), "store attach", timeout_ms, &out->reply, &fds));
+  const v1::StoreAttachReply& r = out->reply;
+  const size_t want = r.region_id == v1::kNoRegion ? 0 : 1;
+  if (fds.size() != want || r.ndim > static_cast<uint32_t>(v1::kMaxTensorDims) ||
+      (want == 1 && (r.offset > r.block_bytes || r.bytes > r.block_bytes - r.offset))) {
+    return Status::Internal("malformed store attach reply: ", fds.size(), " descriptors for region ", r.region_id,
+                            ", ", r.ndim, " dims, bytes [", r.offset, ", +", r.bytes, ") of a ", r.block_bytes,
+                            "-byte block");
+  }
+  out->fd = want ? std::move(fds[0]) : UniqueFd();
   return Status::Ok();
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 
+#include "cache_dit_opd/v1/session_memory.h"
 #include "common/status.h"
 
 namespace cache_dit_opd::client {
@@ -65,6 +66,27 @@ Status ConnectSessionChannel(const std::string& path, UniqueFd* out);
 // returned even when sending the request failed for that (EPIPE).
 Status BindSession(int fd, uint64_t session_id, std::string_view token, int timeout_ms,
                    uint64_t expected_bytes, UniqueFd* memfd, uint64_t* shm_bytes);
+
+// A weight-store entry attached to a session: the daemon's reply
+// (session_memory.h StoreAttachReply: region, block, offset, dtype, shape)
+// and the block's descriptor (invalid for an empty tensor).
+struct StoreAttachment {
+  v1::StoreAttachReply reply{};
+  UniqueFd fd;
+};
+
+// AttachStoreEntry
+//
+// Sends StoreAttachRequest{session_id, token, name} on a freshly connected
+// channel `fd` (not the bound one) and waits up to `timeout_ms` for the
+// reply. Errors as BindSession's: the daemon's refusal with its status and
+// reason (NOT_FOUND / STORE_UNKNOWN for a name the store does not hold,
+// PERMISSION_DENIED / STORE_DENIED for an entry this uid may not read,
+// PEER_REFUSED when this process did not bind the session), INTERNAL for a
+// malformed reply (the wrong number of descriptors, an entry outside its
+// block). Mapping the descriptor is the caller's.
+Status AttachStoreEntry(int fd, uint64_t session_id, std::string_view token, std::string_view name, int timeout_ms,
+                        StoreAttachment* out);
 
 // RequestDrain
 //

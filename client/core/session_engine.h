@@ -169,6 +169,9 @@ class SessionEngine : public std::enable_shared_from_this<SessionEngine> {
   bool FindRegion(const void* ptr, uint64_t nbytes, uint64_t* region_id, uint64_t* offset);
   // The caller registered an allocation / forgot one (Python's table).
   void AddRegion(uint64_t base, uint64_t size, uint64_t buffer_id, uint64_t region_id);
+  // The caller mapped [base, base + size) itself (an attached weight-store
+  // block) and keeps it mapped until ForgetRegion(base): RegionCache::AddFixed.
+  void AddFixedRegion(uint64_t base, uint64_t size, uint64_t region_id) { regions_->AddFixed(base, size, region_id); }
   void ForgetRegion(uint64_t base);
   RegionCache& regions() { return *regions_; }
 

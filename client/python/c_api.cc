@@ -108,7 +108,7 @@ int TakeRejected(NativeSession& s, int wait, OpdRejected* out, int max) {
 extern "C" {
 
 // Bumped whenever a signature or struct below changes.
-__attribute__((visibility("default"))) int opd_native_abi_version() { return 2; }
+__attribute__((visibility("default"))) int opd_native_abi_version() { return 3; }
 
 // sizeof the boundary's structs (0: OpdStatus, 1: OpdRejected): _native.py
 // refuses a library whose structs are not the size of its ctypes copies.
@@ -217,6 +217,16 @@ __attribute__((visibility("default"))) int opd_native_add_region(int64_t h, uint
     auto s = Find(h);
     if (!s) return -1;
     s->engine().AddRegion(base, size, buffer_id, region_id);
+    return 0;
+  }, -1);
+}
+
+__attribute__((visibility("default"))) int opd_native_add_fixed_region(int64_t h, uint64_t base, uint64_t size,
+                                                                     uint64_t region_id) {
+  return NoThrow([&] {
+    auto s = Find(h);
+    if (!s) return -1;
+    s->engine().AddFixedRegion(base, size, region_id);
     return 0;
   }, -1);
 }

@@ -46,6 +46,20 @@ Loaded LoadAll() {
   if (s.ok()) s = Resolve("cuMemGetAddressRange", 3020, &a.mem_get_address_range);
   if (s.ok()) s = Resolve("cuIpcGetMemHandle", 4010, &a.ipc_get_mem_handle);
   if (s.ok()) s = Resolve("cuPointerGetAttributes", 7000, &a.pointer_get_attributes);
+  if (s.ok()) s = Resolve("cuMemCreate", 10020, &a.mem_create);
+  if (s.ok()) s = Resolve("cuMemRelease", 10020, &a.mem_release);
+  if (s.ok()) s = Resolve("cuMemAddressReserve", 10020, &a.mem_address_reserve);
+  if (s.ok()) s = Resolve("cuMemAddressFree", 10020, &a.mem_address_free);
+  if (s.ok()) s = Resolve("cuMemMap", 10020, &a.mem_map);
+  if (s.ok()) s = Resolve("cuMemUnmap", 10020, &a.mem_unmap);
+  if (s.ok()) s = Resolve("cuMemSetAccess", 10020, &a.mem_set_access);
+  if (s.ok()) s = Resolve("cuMemGetAllocationGranularity", 10020, &a.mem_get_allocation_granularity);
+  if (s.ok()) s = Resolve("cuMemExportToShareableHandle", 10020, &a.mem_export_to_shareable_handle);
+  if (s.ok()) s = Resolve("cuMemImportFromShareableHandle", 10020, &a.mem_import_from_shareable_handle);
+  if (s.ok()) s = Resolve("cuMemRetainAllocationHandle", 11000, &a.mem_retain_allocation_handle);
+  if (s.ok()) {
+    s = Resolve("cuMemGetAllocationPropertiesFromHandle", 10020, &a.mem_get_allocation_properties_from_handle);
+  }
   if (s.ok()) s = Resolve("cuGetErrorName", 6000, &a.get_error_name);
   if (s.ok()) s = Resolve("cuGetErrorString", 6000, &a.get_error_string);
   l.status = s;

@@ -32,6 +32,21 @@ struct DriverApi {
   PFN_cuMemGetAddressRange_v3020 mem_get_address_range = nullptr;
   PFN_cuIpcGetMemHandle_v4010 ipc_get_mem_handle = nullptr;
   PFN_cuPointerGetAttributes_v7000 pointer_get_attributes = nullptr;
+  // Virtual memory management: the weight store's shareable allocations
+  // (server/device/cuda_store_allocator.h) and a client's expandable
+  // segments mapped into the daemon.
+  PFN_cuMemCreate_v10020 mem_create = nullptr;
+  PFN_cuMemRelease_v10020 mem_release = nullptr;
+  PFN_cuMemAddressReserve_v10020 mem_address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 mem_address_free = nullptr;
+  PFN_cuMemMap_v10020 mem_map = nullptr;
+  PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
+  PFN_cuMemExportToShareableHandle_v10020 mem_export_to_shareable_handle = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 mem_import_from_shareable_handle = nullptr;
+  PFN_cuMemRetainAllocationHandle_v11000 mem_retain_allocation_handle = nullptr;
+  PFN_cuMemGetAllocationPropertiesFromHandle_v10020 mem_get_allocation_properties_from_handle = nullptr;
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string = nullptr;
 };

@@ -26,7 +26,10 @@ namespace {
 // The struct-module format of one field.
 template <typename T>
 std::string Format() {
-  if constexpr (std::is_array_v<T>) {
+  if constexpr (std::is_array_v<T> && std::is_same_v<std::remove_extent_t<T>, int64_t>) {
+    return std::to_string(std::extent_v<T>) + "q";  // unpacks to that many values
+  } else if constexpr (std::is_array_v<T>) {
+    static_assert(sizeof(std::remove_extent_t<T>) == 1, "an array wire_py does not know");
     return std::to_string(std::extent_v<T>) + "s";
   } else if constexpr (std::is_same_v<T, uint32_t>) {
     return "I";
@@ -106,6 +109,7 @@ int main() {
   Const("MAX_TENSOR_DIMS", v1::kMaxTensorDims, "kMaxTensorDims");
   Const("MAX_ARGS", v1::kMaxArgs, "kMaxArgs");
   Const("MAX_LIST_LENGTH", v1::kMaxListLength, "kMaxListLength");
+  Const("MAX_STORE_NAME_BYTES", v1::kMaxStoreNameBytes, "kMaxStoreNameBytes");
   Const("NO_REGION", v1::kNoRegion, "kNoRegion: the region id of an empty view (no memory)");
   std::printf("# ClientAction: what a client does about an error (wire.h)\nACTIONS = {\n");
 #define CACHE_DIT_OPD_X(e, v, name) std::printf("    \"%s\": %d,\n", name, v);
@@ -128,6 +132,7 @@ int main() {
   Const("LAYOUT_VERSION", v1::kLayoutVersion, "kLayoutVersion");
   Hex("SESSION_MEMORY_MAGIC", v1::kSessionMemoryMagic, "kSessionMemoryMagic");
   Hex("BIND_REQUEST_MAGIC", v1::kBindRequestMagic, "kBindRequestMagic");
+  Hex("STORE_ATTACH_MAGIC", v1::kStoreAttachMagic, "kStoreAttachMagic");
   Const("TOKEN_BYTES", v1::kTokenBytes, "kTokenBytes");
   Const("LANES_OFFSET", v1::kLanesOffset, "kLanesOffset");
   {
@@ -144,6 +149,31 @@ int main() {
     FIELD(f, v1::BindReply, shared_memory_bytes);
     FIELD(f, v1::BindReply, reason);
     FIELD(f, v1::BindReply, message);
+  }
+  {
+    Fields f("STORE_ATTACH_REQUEST", "StoreAttachRequest", sizeof(v1::StoreAttachRequest));
+    FIELD(f, v1::StoreAttachRequest, magic);
+    FIELD(f, v1::StoreAttachRequest, protocol_version);
+    FIELD(f, v1::StoreAttachRequest, session_id);
+    FIELD(f, v1::StoreAttachRequest, token);
+    FIELD(f, v1::StoreAttachRequest, name_bytes);
+    FIELD(f, v1::StoreAttachRequest, reserved);
+    FIELD(f, v1::StoreAttachRequest, name);
+  }
+  {
+    Fields f("STORE_ATTACH_REPLY", "StoreAttachReply", sizeof(v1::StoreAttachReply));
+    FIELD(f, v1::StoreAttachReply, status_code);
+    FIELD(f, v1::StoreAttachReply, reason);
+    FIELD(f, v1::StoreAttachReply, region_id);
+    FIELD(f, v1::StoreAttachReply, daemon_instance);
+    FIELD(f, v1::StoreAttachReply, block_id);
+    FIELD(f, v1::StoreAttachReply, block_bytes);
+    FIELD(f, v1::StoreAttachReply, offset);
+    FIELD(f, v1::StoreAttachReply, bytes);
+    FIELD(f, v1::StoreAttachReply, dtype);
+    FIELD(f, v1::StoreAttachReply, ndim);
+    FIELD(f, v1::StoreAttachReply, shape);
+    FIELD(f, v1::StoreAttachReply, message);
   }
   {
     Fields f("SESSION_HEADER", "SessionMemoryHeader", sizeof(v1::SessionMemoryHeader));

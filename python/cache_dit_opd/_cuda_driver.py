@@ -1,4 +1,5 @@
-"""The CUDA driver entry points the Python control plane needs (exporting regions), through ctypes.
+"""The CUDA driver entry points the Python control plane needs (exporting regions, mapping weight-store
+blocks read-only), through ctypes.
 
 Loaded lazily: importing this module (and the package) needs no driver, and
 ``libcuda.so.1`` is opened only when a region is first registered. Entry points
@@ -25,6 +26,11 @@ CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 
 CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1 << 0
 
+# Virtual memory management (a weight-store block's descriptor, session_memory.h StoreAttachReply)
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
+
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
 
@@ -44,6 +50,14 @@ class CudaDriverError(RuntimeError):
         self.code = code
 
 
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemAccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _MemLocation), ("flags", ctypes.c_int)]
+
+
 class Driver:
     """Typed wrappers over libcuda entry points. Create through ``get_driver()``."""
 
@@ -59,6 +73,15 @@ class Driver:
             [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64],
         )
         self._cuIpcGetMemHandle = fn("cuIpcGetMemHandle", [ctypes.c_char_p, ctypes.c_uint64])
+        u64, size_t = ctypes.c_uint64, ctypes.c_size_t
+        self._cuMemImportFromShareableHandle = fn("cuMemImportFromShareableHandle",
+                                                  [ctypes.POINTER(u64), ctypes.c_void_p, ctypes.c_int])
+        self._cuMemAddressReserve = fn("cuMemAddressReserve", [ctypes.POINTER(u64), size_t, size_t, u64, u64])
+        self._cuMemAddressFree = fn("cuMemAddressFree", [u64, size_t])
+        self._cuMemMap = fn("cuMemMap", [u64, size_t, size_t, u64, u64])
+        self._cuMemUnmap = fn("cuMemUnmap", [u64, size_t])
+        self._cuMemRelease = fn("cuMemRelease", [u64])
+        self._cuMemSetAccess = fn("cuMemSetAccess", [u64, size_t, ctypes.POINTER(_MemAccessDesc), size_t])
         self._check("cuInit", self._cuInit(0))
         self._tls = threading.local()
         attrs = (ctypes.c_int * 3)(
@@ -147,6 +170,39 @@ class Driver:
         buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
         self._check(f"cuIpcGetMemHandle(0x{base:x})", self._cuIpcGetMemHandle(buf, base))
         return buf.raw
+
+    def map_readonly(self, fd: int, size: int, device: int) -> int:
+        """Maps ``size`` bytes of the virtual-memory allocation whose POSIX descriptor is ``fd`` (another
+        process exported it) read-only for ``device`` (this process's ordinal, its context current); the
+        base address. A kernel of this process that writes there faults in this process's context only.
+        The caller keeps ``fd`` (closing it does not affect the mapping) and calls ``unmap``."""
+        handle = ctypes.c_uint64()
+        self._check("cuMemImportFromShareableHandle",
+                    self._cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
+                                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        ptr = ctypes.c_uint64()
+        try:  # each step is undone when a later one fails; the mapping keeps the memory once made
+            self._check(f"cuMemAddressReserve({size})", self._cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0))
+            try:
+                self._check("cuMemMap", self._cuMemMap(ptr.value, size, 0, handle.value, 0))
+                try:
+                    desc = _MemAccessDesc(_MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device),
+                                          CU_MEM_ACCESS_FLAGS_PROT_READ)
+                    self._check("cuMemSetAccess(PROT_READ)", self._cuMemSetAccess(ptr.value, size, ctypes.byref(desc), 1))
+                except BaseException:
+                    self._cuMemUnmap(ptr.value, size)
+                    raise
+            except BaseException:
+                self._cuMemAddressFree(ptr.value, size)
+                raise
+        finally:
+            self._cuMemRelease(handle.value)
+        return ptr.value
+
+    def unmap(self, base: int, size: int) -> None:
+        """Undoes ``map_readonly`` (the caller has made sure no work of this process still reads it)."""
+        self._check(f"cuMemUnmap(0x{base:x})", self._cuMemUnmap(base, size))
+        self._check(f"cuMemAddressFree(0x{base:x})", self._cuMemAddressFree(base, size))
 
 
 _driver: Driver | None = None

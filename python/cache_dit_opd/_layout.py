@@ -41,6 +41,11 @@ BIND_REQUEST_SIZE = _wire.BIND_REQUEST_SIZE
 BIND_REPLY = struct_of(_wire.BIND_REPLY_FIELDS, _wire.BIND_REPLY_SIZE)
 BIND_REPLY_SIZE = _wire.BIND_REPLY_SIZE
 
+STORE_ATTACH_MAGIC = _wire.STORE_ATTACH_MAGIC
+STORE_ATTACH_REQUEST = struct_of(_wire.STORE_ATTACH_REQUEST_FIELDS, _wire.STORE_ATTACH_REQUEST_SIZE)
+STORE_ATTACH_REQUEST_SIZE = _wire.STORE_ATTACH_REQUEST_SIZE
+STORE_ATTACH_REPLY_SIZE = _wire.STORE_ATTACH_REPLY_SIZE
+
 HEADER_SIZE = _wire.SESSION_HEADER_SIZE
 HEADER_FIELDS = _wire.SESSION_HEADER_FIELDS
 
@@ -49,6 +54,23 @@ LANE_INPUTS_READY_OFFSET = _wire.LANE_FIELDS["inputs_ready"][0]
 LANE_DONE_OFFSET = _wire.LANE_FIELDS["done"][0]
 
 
+def read_fields(fields: dict, buf) -> dict:
+    """Decodes ``fields`` ({name: (offset, format)}) from ``buf``: a number, bytes, or a tuple for an array."""
+    out = {}
+    for name, (off, fmt) in fields.items():
+        v = struct.unpack_from(fmt, buf, off)
+        out[name] = v[0] if len(v) == 1 else v
+    return out
+
+
 def read_header(buf) -> dict:
     """Decodes the header fields from a buffer of at least HEADER_SIZE bytes."""
-    return {name: struct.unpack_from(fmt, buf, off)[0] for name, (off, fmt) in HEADER_FIELDS.items()}
+    return read_fields(HEADER_FIELDS, buf)
+
+
+def read_attach_reply(buf) -> dict:
+    """Decodes a StoreAttachReply of STORE_ATTACH_REPLY_SIZE bytes (``shape`` cut to ``ndim``)."""
+    r = read_fields(_wire.STORE_ATTACH_REPLY_FIELDS, buf)
+    r["shape"] = tuple(r["shape"][:min(r["ndim"], _wire.MAX_TENSOR_DIMS)])
+    r["message"] = r["message"].split(b"\0", 1)[0].decode(errors="replace")
+    return r

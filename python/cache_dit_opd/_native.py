@@ -31,7 +31,7 @@ from . import _errors, _wire
 
 log = logging.getLogger("cache_dit_opd")
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 LIB_NAME = "libcache_dit_opd_native.so"
 _MAX_REJECTED = 64
 # ProxyFallback in client/python/native_session.h, in order
@@ -91,6 +91,7 @@ def _prototype(lib) -> None:
         "opd_native_activate": (c.c_int, [c.c_int64, c.c_int]),
         "opd_native_set_op": (c.c_int, [c.c_int64, c.c_char_p, c.c_uint32]),
         "opd_native_add_region": (c.c_int, [c.c_int64, c.c_uint64, c.c_uint64, c.c_uint64, c.c_uint64]),
+        "opd_native_add_fixed_region": (c.c_int, [c.c_int64, c.c_uint64, c.c_uint64, c.c_uint64]),
         "opd_native_forget_region": (c.c_int, [c.c_int64, c.c_uint64]),
         "opd_native_last_fallback": (c.c_int, [status]),
         "opd_native_take_rejected": (c.c_int, [c.c_int64, c.c_int, c.POINTER(OpdRejected), c.c_int]),
@@ -236,6 +237,10 @@ class NativeSession:
 
     def add_region(self, base: int, size: int, buffer_id: int, region_id: int) -> None:
         self._lib.opd_native_add_region(self.handle, base, size, buffer_id, region_id)
+
+    def add_fixed_region(self, base: int, size: int, region_id: int) -> None:
+        """A range this process mapped itself (an attached store block): the engine trusts it without the driver."""
+        self._lib.opd_native_add_fixed_region(self.handle, base, size, region_id)
 
     def forget_region(self, base: int) -> None:
         self._lib.opd_native_forget_region(self.handle, base)

@@ -33,6 +33,12 @@ Keeping the cache correct:
   cannot be exported with legacy IPC; it is detected from
   ``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`` and reported with what
   to change.
+* Weight-store blocks (``StoreBlock``): daemon memory this process mapped
+  read-only (``cache_dit_opd.store.attach``). They are found by address before
+  any driver query, registered in a session by attaching one of their entries
+  again (the daemon lends the block as a read-only region; nothing is
+  exported), and given to the native engine as fixed ranges. A block stays
+  mapped while a tensor made from it lives.
 """
 
 from __future__ import annotations
@@ -72,6 +78,77 @@ class Region:
     size: int
     buffer_id: int
     last_use: int = 0
+    fixed: bool = False  # a StoreBlock's region: no driver query, no sweep
+
+
+class StoreBlock:
+    """A weight-store block of the daemon serving ``device_index``, mapped read-only into this process: the
+    memory of one published set (session_memory.h StoreAttachReply). Every tensor attached from it holds it;
+    when the last one goes, each session's region of it is unregistered and the mapping removed. ``name``
+    is an entry of the set, what another session attaches to register the block."""
+
+    def __init__(self, device_index: int, daemon_instance: int, block_id: int, base: int, size: int, name: str,
+                 driver):
+        self.device_index, self.daemon_instance, self.block_id = device_index, daemon_instance, block_id
+        self.base, self.size, self.name = base, size, name
+        self.tables: "weakref.WeakSet[RegionTable]" = weakref.WeakSet()  # sessions that registered it
+        self._finalizer = weakref.finalize(self, _release_block, self.key, base, size, device_index, driver,
+                                           self.tables)
+        self._finalizer.atexit = False  # the process's exit unmaps everything
+
+    @property
+    def key(self) -> tuple:
+        return self.device_index, self.daemon_instance, self.block_id
+
+    def contains(self, ptr: int) -> bool:
+        return self.base <= ptr < self.base + self.size
+
+
+_blocks: "dict[tuple, weakref.ref]" = {}  # StoreBlock.key -> the live block
+_blocks_lock = threading.Lock()
+
+
+def store_block_at(device_index: int, ptr: int) -> StoreBlock | None:
+    """The live store block of ``device_index`` that holds ``ptr`` (no driver query)."""
+    for ref in list(_blocks.values()):
+        b = ref()
+        if b is not None and b.device_index == device_index and b.contains(ptr):
+            return b
+    return None
+
+
+def map_store_block(device_index: int, reply: dict, fd: int, name: str, driver) -> StoreBlock:
+    """The block an attach reply names: this process's mapping of it when one lives, else ``fd`` mapped
+    read-only now. The caller closes ``fd`` either way."""
+    key = (device_index, reply["daemon_instance"], reply["block_id"])
+    with _blocks_lock:
+        ref = _blocks.get(key)
+        b = ref() if ref is not None else None
+        if b is None:
+            base = driver.map_readonly(fd, reply["block_bytes"], device_index)
+            b = StoreBlock(device_index, reply["daemon_instance"], reply["block_id"], base, reply["block_bytes"],
+                           name, driver)
+            _blocks[key] = weakref.ref(b)
+        return b
+
+
+def _release_block(key, base, size, device_index, driver, tables) -> None:
+    """A block's last tensor is gone: unregister its regions, then unmap it once this process's own work on
+    the device (which may still read it) has finished."""
+    with _blocks_lock:
+        ref = _blocks.get(key)
+        if ref is not None and ref() is None:
+            del _blocks[key]
+    for t in list(tables):
+        t.forget_base(base)
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize(device_index)
+        driver.unmap(base, size)
+    except Exception:  # noqa: BLE001  (a finalizer: a failed unmap leaves the range to the process's exit)
+        pass
 
 
 class RegionTable:
@@ -82,9 +159,12 @@ class RegionTable:
     a dict; changes happen under one lock.
     """
 
-    def __init__(self, register, unregister, driver=None, device_index: int = 0, on_add=None, on_forget=None):
+    def __init__(self, register, unregister, driver=None, device_index: int = 0, on_add=None, on_forget=None,
+                 attach=None):
         self._register = register
         self._unregister = unregister
+        # attach(block) -> region id: registers a StoreBlock in this session (by attaching its entry again).
+        self._attach = attach
         # Told about every region that enters or leaves the table (the native session's copy).
         self._on_add = on_add or (lambda r: None)
         self._on_forget = on_forget or (lambda r: None)
@@ -112,6 +192,9 @@ class RegionTable:
     # -- hot path ---------------------------------------------------------------
     def ref(self, ptr: int, nbytes: int, pinned: set | None = None) -> tuple[int, int]:
         """(region id, byte offset) for ``nbytes`` of device memory at ``ptr``."""
+        block = store_block_at(self._device_index, ptr) if _blocks else None
+        if block is not None:
+            return self._store_ref(block, ptr, nbytes, pinned)
         base, size, buffer_id = self.driver.pointer_range(ptr)
         self._clock += 1
         r = self._by_base.get(base)
@@ -126,6 +209,43 @@ class RegionTable:
                 f"[0x{base:x}, 0x{base + size:x})"
             )
         return r.region_id, ptr - base
+
+    def _store_ref(self, block: StoreBlock, ptr: int, nbytes: int, pinned: set | None) -> tuple[int, int]:
+        if ptr + nbytes > block.base + block.size:
+            raise ValueError(f"tensor bytes [0x{ptr:x}, 0x{ptr + nbytes:x}) exceed weight-store block "
+                             f"[0x{block.base:x}, 0x{block.base + block.size:x}) of '{block.name}'")
+        self._clock += 1
+        r = self._by_base.get(block.base)
+        if r is None or not r.fixed:
+            r = self.add_store_block(block)
+        r.last_use = self._clock
+        if pinned is not None:
+            pinned.add(r.region_id)
+        return r.region_id, ptr - block.base
+
+    def add_store_block(self, block: StoreBlock, region_id: int | None = None) -> Region:
+        """Registers ``block`` in this session: with the region id an attach on this session answered, else by
+        attaching its entry again (the ``attach`` callback)."""
+        with self._lock:
+            r = self._by_base.get(block.base)
+            if r is not None and r.fixed and (region_id is None or r.region_id == region_id):
+                return r
+            if self._attach is None and region_id is None:
+                raise RegionExportError(f"cache_dit_opd: weight-store block of '{block.name}' cannot be registered "
+                                        f"in this session (no attach)")
+            rid = region_id if region_id is not None else self._attach(block)
+            r = Region(rid, block.base, block.size, 0, fixed=True)
+            self._by_base[block.base] = r
+            block.tables.add(self)
+            self._on_add(r)
+            return r
+
+    def forget_base(self, base: int) -> None:
+        """Unregisters the region at ``base`` (a store block whose last tensor went)."""
+        with self._lock:
+            r = self._by_base.get(base)
+            if r is not None:
+                self._drop(r)
 
     def maybe_sweep(self) -> None:
         if time.monotonic() >= self._next_sweep:
@@ -204,6 +324,8 @@ class RegionTable:
         freed = 0
         with self._lock:
             for r in list(self._by_base.values()):
+                if r.fixed:  # mapped by this process until its tensors go (StoreBlock)
+                    continue
                 try:
                     base, size, buffer_id = drv.pointer_range(r.base)
                 except _cuda_driver.CudaDriverError:

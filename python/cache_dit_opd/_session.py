@@ -239,11 +239,17 @@ class Session:
             self._abandon()
             raise
         n = self.native
+
+        def on_add(reg: _regions.Region) -> None:
+            if reg.fixed:
+                n.add_fixed_region(reg.base, reg.size, reg.region_id)
+            else:
+                n.add_region(reg.base, reg.size, reg.buffer_id, reg.region_id)
+
         self.regions = _regions.RegionTable(self._register_region, self._unregister_region, self._driver,
-                                            self.device_index,
-                                            on_add=n and (lambda reg: n.add_region(reg.base, reg.size, reg.buffer_id,
-                                                                                   reg.region_id)),
-                                            on_forget=n and (lambda reg: n.forget_region(reg.base)))
+                                            self.device_index, on_add=n and on_add,
+                                            on_forget=n and (lambda reg: n.forget_region(reg.base)),
+                                            attach=self._attach_block)
         log.debug("cache_dit_opd: session %d with %s: %d lanes, transport %s", self.reply.session_id, self.target,
                   self.reply.lanes, self.transport)
         return self
@@ -307,6 +313,74 @@ class Session:
             raise
         sock.settimeout(None)
         return fd, shm_bytes
+
+    # -- the weight store: attaching an entry (session_memory.h StoreAttachRequest) ---------------------------
+    def attach_store(self, name: str) -> tuple[dict, int | None]:
+        """Attaches the store entry ``name`` on this session: (the reply's fields, the descriptor of its set's
+        block, or None for an empty tensor). The caller owns the descriptor. Raises DaemonError with the
+        daemon's refusal (STORE_UNKNOWN, STORE_DENIED, ...)."""
+        r = self.reply
+        data = name.encode()
+        if not 0 < len(data) <= _wire.MAX_STORE_NAME_BYTES:
+            raise ValueError(f"cache_dit_opd.store: name {name!r} has {len(data)} bytes (1 to "
+                             f"{_wire.MAX_STORE_NAME_BYTES})")
+        req = _layout.STORE_ATTACH_REQUEST.pack(_layout.STORE_ATTACH_MAGIC, _wire.PROTOCOL_VERSION, r.session_id,
+                                                bytes(r.token), len(data), 0, data)
+        path = r.session_channel_path
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                sock.connect(path)
+                try:
+                    sock.sendall(req)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # refused at accept: its reply is queued
+                size = max(_layout.STORE_ATTACH_REPLY_SIZE, _layout.BIND_REPLY_SIZE) + 1
+                msg, fds, flags, _ = socket.recv_fds(sock, size, 2)
+            except OSError as e:
+                raise SessionFailedError(f"attaching '{name}' on {path} failed: {e}") from None
+        fd = fds[0] if fds else None
+        try:
+            for extra in fds[1:]:
+                os.close(extra)
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(msg) not in (
+                    _layout.STORE_ATTACH_REPLY_SIZE, _layout.BIND_REPLY_SIZE):
+                raise SessionFailedError(f"store attach reply on {path} has {len(msg)} bytes (flags 0x{flags:x}), "
+                                         f"expected {_layout.STORE_ATTACH_REPLY_SIZE}")
+            if len(msg) == _layout.BIND_REPLY_SIZE:  # refused before the request was read
+                status, _, _, reason, message = _layout.BIND_REPLY.unpack(msg)
+                raise DaemonError(status or 2, reason, message.split(b"\0", 1)[0].decode(errors="replace"))
+            reply = _layout.read_attach_reply(msg)
+            if reply["status_code"] != 0:
+                raise DaemonError(reply["status_code"], reply["reason"], reply["message"])
+            has_memory = reply["region_id"] != _wire.NO_REGION
+            if has_memory != (fd is not None) or (has_memory and reply["offset"] + reply["bytes"] > reply["block_bytes"]):
+                raise SessionFailedError(f"store attach reply on {path} is malformed: region {reply['region_id']}, "
+                                         f"{len(fds)} descriptors, bytes [{reply['offset']}, +{reply['bytes']}) of a "
+                                         f"{reply['block_bytes']}-byte block")
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return reply, fd
+
+    def _attach_block(self, block: _regions.StoreBlock) -> int:
+        """Registers a store block this process mapped (through another session) in this one: its entry
+        attached again, which must still be the same publication in the same daemon."""
+        try:
+            reply, fd = self.attach_store(block.name)
+        except DaemonError as e:
+            raise _regions.RegionExportError(
+                f"cache_dit_opd: the weight-store tensor at 0x{block.base:x} was attached from '{block.name}', "
+                f"which the daemon at {self.target} cannot lend this session: {e}") from None
+        if fd is not None:
+            os.close(fd)  # this process's mapping of the block stays the one in use
+        if (reply["daemon_instance"], reply["block_id"]) != (block.daemon_instance, block.block_id):
+            raise _regions.RegionExportError(
+                f"cache_dit_opd: the weight-store tensor at 0x{block.base:x} was attached from '{block.name}' of "
+                f"another daemon or an earlier publication (the daemon restarted, or the entry was deleted and "
+                f"published again): attach '{block.name}' again")
+        return reply["region_id"]
 
     def _abandon(self) -> None:
         if self._chan_sock is not None:

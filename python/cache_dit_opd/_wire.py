@@ -38,6 +38,7 @@ DTYPE_COUNT = 12  # kDTypeCount: valid values are 1 .. DTYPE_COUNT - 1
 MAX_TENSOR_DIMS = 8  # kMaxTensorDims
 MAX_ARGS = 32  # kMaxArgs
 MAX_LIST_LENGTH = 64  # kMaxListLength
+MAX_STORE_NAME_BYTES = 512  # kMaxStoreNameBytes
 NO_REGION = 0  # kNoRegion: the region id of an empty view (no memory)
 # ClientAction: what a client does about an error (wire.h)
 ACTIONS = {
@@ -94,6 +95,7 @@ PROTOCOL_VERSION = 2  # kProtocolVersion
 LAYOUT_VERSION = 2  # kLayoutVersion
 SESSION_MEMORY_MAGIC = 0x504F4443  # kSessionMemoryMagic
 BIND_REQUEST_MAGIC = 0x444E4942  # kBindRequestMagic
+STORE_ATTACH_MAGIC = 0x48435441  # kStoreAttachMagic
 TOKEN_BYTES = 32  # kTokenBytes
 LANES_OFFSET = 4096  # kLanesOffset
 
@@ -114,6 +116,35 @@ BIND_REPLY_FIELDS = {
     "shared_memory_bytes": (8, "<Q"),
     "reason": (16, "<I"),
     "message": (20, "<252s"),
+}
+
+# struct StoreAttachRequest
+STORE_ATTACH_REQUEST_SIZE = 568
+STORE_ATTACH_REQUEST_FIELDS = {
+    "magic": (0, "<I"),
+    "protocol_version": (4, "<I"),
+    "session_id": (8, "<Q"),
+    "token": (16, "<32s"),
+    "name_bytes": (48, "<I"),
+    "reserved": (52, "<I"),
+    "name": (56, "<512s"),
+}
+
+# struct StoreAttachReply
+STORE_ATTACH_REPLY_SIZE = 384
+STORE_ATTACH_REPLY_FIELDS = {
+    "status_code": (0, "<i"),
+    "reason": (4, "<I"),
+    "region_id": (8, "<Q"),
+    "daemon_instance": (16, "<Q"),
+    "block_id": (24, "<Q"),
+    "block_bytes": (32, "<Q"),
+    "offset": (40, "<Q"),
+    "bytes": (48, "<Q"),
+    "dtype": (56, "<I"),
+    "ndim": (60, "<I"),
+    "shape": (64, "<8q"),
+    "message": (128, "<256s"),
 }
 
 # struct SessionMemoryHeader

@@ -6,6 +6,12 @@ cache-dit's checkpoints under their names, so a state dict of either loads
 as it is. Its forward calls only the public wrappers of
 :mod:`cache_dit_opd.kernels`, so it traces under ``torch.compile`` with the
 ops' fakes (no daemon, no GPU) and runs through the daemon on a CUDA device.
+
+Weights in the daemon's store (:mod:`cache_dit_opd.store`): one process
+publishes a quantized model's layers (:func:`publish_quantized`, or the
+daemon reads a checkpoint file with ``store.publish_file``), every worker
+attaches them (:func:`attach_quantized`, :meth:`SVDQW4A4Linear.from_store`):
+its layers then hold read-only tensors over the daemon's one copy.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from torch import nn
 from . import kernels
 from ._svdquant import _BLOCK_N, _GROUP, _K_ALIGN, _RANK_ALIGN  # kernels/svdq/svdq.h's shape rules
 
-__all__ = ["SVDQW4A4Linear", "load_quantized", "load_safetensors"]
+__all__ = ["SVDQW4A4Linear", "attach_quantized", "load_quantized", "load_safetensors", "publish_quantized"]
 
 _PAD_ROWS = 256  # rows of the activation quantizer's outputs: M padded to a multiple (its default)
+# The tensors a layer holds (its state dict's keys).
+_STATE_KEYS = ("qweight", "wscales", "smooth_factor", "smooth_factor_orig", "proj_down", "proj_up", "bias")
 _FP4_KEYS = ("wcscales", "wtscale")
 
 
@@ -74,6 +82,13 @@ class SVDQW4A4Linear(nn.Module):
 
         The logical sizes default to the stored (padded) ones; rank, bias and dtype come from the tensors.
         """
+        m = cls._shaped_like(state_dict, in_features, out_features, prefix, device)
+        m.load_state_dict({name[len(prefix):]: t for name, t in state_dict.items() if name.startswith(prefix)})
+        return m
+
+    @classmethod
+    def _shaped_like(cls, state_dict: dict, in_features, out_features, prefix: str, device) -> "SVDQW4A4Linear":
+        """An unloaded module with the geometry of the tensors ``prefix`` + name of ``state_dict``."""
         def get(name):
             if prefix + name not in state_dict:
                 raise KeyError(f"SVDQW4A4Linear: checkpoint has no '{prefix}{name}' (keys: "
@@ -92,8 +107,37 @@ class SVDQW4A4Linear(nn.Module):
             raise ValueError(f"SVDQW4A4Linear: in_features {m.in_features} / out_features {m.out_features} "
                              f"pad to {k_pad} / {n_pad}, but '{prefix}qweight' {tuple(qweight.shape)} holds "
                              f"{k} / {n}")
-        m.load_state_dict({name[len(prefix):]: t for name, t in state_dict.items() if name.startswith(prefix)})
         return m
+
+    @classmethod
+    def from_store(cls, prefix: str, in_features: int | None = None, out_features: int | None = None, *,
+                   device=None, session=None, tensors: dict | None = None) -> "SVDQW4A4Linear":
+        """A module over the weight-store entries ``prefix`` + tensor name (as :func:`publish_quantized` or a
+        checkpoint published with ``store.publish_file`` names them), attached read-only: no copy in this
+        process. Geometry as :meth:`from_state_dict` takes it from the tensors. ``tensors``: attached tensors
+        by name already (``store.attach_many``), else they are attached here."""
+        from . import store
+
+        if tensors is None:
+            tensors = store.attach_many(prefix, device=device, session=session)
+        mine = {name: t for name, t in tensors.items()
+                if name.startswith(prefix) and name[len(prefix):] in _STATE_KEYS}
+        if prefix + "qweight" not in mine:
+            raise KeyError(f"SVDQW4A4Linear.from_store: the store holds no '{prefix}qweight' this process may read "
+                           f"(entries under '{prefix}': {sorted(n for n in tensors if n.startswith(prefix))[:12]})")
+        return cls._shaped_like(mine, in_features, out_features, prefix, "meta")._adopt(mine, prefix)
+
+    def _adopt(self, tensors: dict, prefix: str) -> "SVDQW4A4Linear":
+        """Makes this module's parameters the given tensors themselves (no copy: attached store memory)."""
+        for name, p in list(self.named_parameters(recurse=False)):
+            t = tensors.get(prefix + name)
+            if t is None:
+                raise KeyError(f"SVDQW4A4Linear: no '{prefix}{name}' to hold")
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise ValueError(f"SVDQW4A4Linear: '{prefix}{name}' is {t.dtype} {tuple(t.shape)}, the layer needs "
+                                 f"{p.dtype} {tuple(p.shape)}")
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
+        return self
 
     def _check_loaded_dtypes(self, state_dict, prefix, *args, **kwargs):
         for key in _FP4_KEYS:
@@ -148,6 +192,44 @@ def load_quantized(model: nn.Module, state_dict: dict, prefix: str = "", device=
         lin = modules[name]
         q = SVDQW4A4Linear.from_state_dict(state_dict, lin.in_features, lin.out_features,
                                            prefix=f"{prefix}{name}.", device=device or lin.weight.device)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, q)
+    return names
+
+
+def publish_quantized(model: nn.Module, prefix: str, readers=(), *, session=None) -> list:
+    """Publishes every SVDQW4A4Linear of ``model`` (its state dict) into the daemon's weight store as one set,
+    each tensor named ``prefix + <module path>.<tensor name>``; the daemon copies them, so the model may be
+    freed afterwards. ``readers``: uids besides this process's that may attach them. Returns the entries."""
+    from . import store
+
+    tensors = {f"{name}.{k}": t for name, m in model.named_modules() if isinstance(m, SVDQW4A4Linear)
+               for k, t in m.state_dict().items()}
+    if not tensors:
+        raise ValueError(f"publish_quantized: {type(model).__name__} has no SVDQW4A4Linear")
+    device = next(iter(tensors.values())).device
+    return store.publish(tensors, prefix, readers, device=device, session=session)
+
+
+def attach_quantized(model: nn.Module, prefix: str, *, device=None, session=None) -> list[str]:
+    """Replaces each ``nn.Linear`` of ``model`` that the weight store holds quantized under ``prefix`` (a
+    ``<prefix><name>.qweight`` entry) by an SVDQW4A4Linear over the stored tensors, attached read-only (no
+    copy in this process); returns the names replaced. The mirror of :func:`load_quantized` for weights that
+    live in the daemon: a store entry that is no ``nn.Linear`` of the model is an error naming it."""
+    from . import store
+
+    tensors = store.attach_many(prefix, device=device, session=session)
+    names = sorted(n[len(prefix):-len(".qweight")] for n in tensors if n.endswith(".qweight"))
+    if not names:
+        raise KeyError(f"attach_quantized: the store holds no '{prefix}<name>.qweight' this process may read")
+    modules = dict(model.named_modules())
+    missing = [n for n in names if not isinstance(modules.get(n), (nn.Linear, SVDQW4A4Linear))]
+    if missing:
+        raise ValueError(f"attach_quantized: store layers that are no linear of the model: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''} (prefix '{prefix}')")
+    for name in names:
+        lin = modules[name]
+        q = SVDQW4A4Linear.from_store(f"{prefix}{name}.", lin.in_features, lin.out_features, tensors=tensors)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, q)
     return names

@@ -144,7 +144,10 @@ Status CheckNoRegionView(const TensorRef& t) {
 Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
   int64_t numel = 0;
   OPD_RETURN_IF_ERROR(CheckShape(t, &numel));
-  const size_t dims = t.sizes.size();
+  if (written && region.read_only) {
+    return Status::InvalidArgument("is written by the op, but region ", t.region_id,
+                                   " is weight-store memory, which no op may write (", DescribeView(t), ")");
+  }
   const int64_t itemsize = DTypeSize(t.dtype);
   if (t.byte_offset > region.size) {
     return Status::InvalidArgument("starts at byte offset ", t.byte_offset,
@@ -170,15 +173,10 @@ Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
   }
 
   if (written) {
-    int64_t expected = 1;  // cannot overflow: bounded by numel
-    for (size_t i = dims; i-- > 0;) {
-      if (t.sizes[i] == 1) continue;
-      if (t.strides[i] != expected) {
-        return Status::InvalidArgument("is written by the op and must be contiguous, but dim ", i,
-                                       " has stride ", t.strides[i], " where ", expected,
-                                       " is needed (", DescribeView(t), ")");
-      }
-      expected *= t.sizes[i];
+    int64_t expected = 0;
+    if (const int i = FirstNonContiguousDim(t.sizes, t.strides, &expected); i >= 0) {
+      return Status::InvalidArgument("is written by the op and must be contiguous, but dim ", i, " has stride ",
+                                     t.strides[i], " where ", expected, " is needed (", DescribeView(t), ")");
     }
   }
   return Status::Ok();

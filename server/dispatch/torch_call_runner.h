@@ -12,7 +12,8 @@
 //      offset + extent(sizes, strides) * itemsize <= region size
 //      (common/view_extent.h); tensors the schema marks as written
 //      (Tensor(a!)) must be contiguous (a zero or overlapping stride is
-//      rejected: a dense write through it would leave the view). A view in
+//      rejected: a dense write through it would leave the view) and lie in
+//      a writable region (never weight-store memory). A view in
 //      region kNoRegion (0, wire.h) has no memory: it must have no element
 //      (a size of 0) and byte offset 0, and is checked for rank, dtype,
 //      sizes and strides only,

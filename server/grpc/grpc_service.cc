@@ -16,6 +16,19 @@ grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const Stat
   return reactor;
 }
 
+// Answers a publish RPC with the set it made.
+std::function<void(const Status&, const StoreListing&)> AnswerPublish(grpc::CallbackServerContext* ctx,
+                                                                      grpc::ServerUnaryReactor* reactor,
+                                                                      v1::PublishReply* reply) {
+  return [ctx, reactor, reply](const Status& s, const StoreListing& l) {
+    if (s.ok()) {
+      for (const auto& e : l.entries) ToProto(e, reply->add_entries());
+      reply->set_store_bytes(l.used_bytes);
+    }
+    Finish(ctx, reactor, s);
+  };
+}
+
 }  // namespace
 
 grpc::ServerUnaryReactor* OperatorDaemonService::GetVersion(grpc::CallbackServerContext* ctx,
@@ -102,14 +115,19 @@ grpc::ServerUnaryReactor* OperatorDaemonService::PublishFile(grpc::CallbackServe
                                                              const v1::PublishFileRequest* request,
                                                              v1::PublishReply* reply) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  daemon_->PublishFile(request->session_id(), request->token(), FromProto(*request),
-                       [ctx, reactor, reply](const Status& s, const StoreListing& l) {
-                         if (s.ok()) {
-                           for (const auto& e : l.entries) ToProto(e, reply->add_entries());
-                           reply->set_store_bytes(l.used_bytes);
-                         }
-                         Finish(ctx, reactor, s);
-                       });
+  daemon_->PublishFile(request->session_id(), request->token(), FromProto(*request), AnswerPublish(ctx, reactor, reply));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OperatorDaemonService::PublishTensors(grpc::CallbackServerContext* ctx,
+                                                                const v1::PublishTensorsRequest* request,
+                                                                v1::PublishReply* reply) {
+  std::vector<server::NamedTensor> tensors;
+  std::vector<uid_t> readers;
+  if (Status s = FromProto(*request, &tensors, &readers); !s.ok()) return FinishNow(ctx, s);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  daemon_->PublishTensors(request->session_id(), request->token(), std::move(tensors), std::move(readers),
+                          AnswerPublish(ctx, reactor, reply));
   return reactor;
 }
 

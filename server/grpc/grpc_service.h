@@ -34,6 +34,8 @@ class OperatorDaemonService final : public v1::OperatorDaemon::CallbackService {
                                      v1::StatsReply* reply) override;
   grpc::ServerUnaryReactor* PublishFile(grpc::CallbackServerContext* ctx, const v1::PublishFileRequest* request,
                                         v1::PublishReply* reply) override;
+  grpc::ServerUnaryReactor* PublishTensors(grpc::CallbackServerContext* ctx, const v1::PublishTensorsRequest* request,
+                                           v1::PublishReply* reply) override;
   grpc::ServerUnaryReactor* ListStore(grpc::CallbackServerContext* ctx, const v1::ListStoreRequest* request,
                                       v1::ListStoreReply* reply) override;
   grpc::ServerUnaryReactor* DeleteStore(grpc::CallbackServerContext* ctx, const v1::DeleteStoreRequest* request,

@@ -1,5 +1,7 @@
 #include "server/grpc/proto_convert.h"
 
+#include "common/call_proto.h"
+
 namespace cache_dit_opd {
 OpenSessionParams FromProto(const v1::OpenSessionRequest& in) {
   OpenSessionParams p;
@@ -121,6 +123,24 @@ void ToProto(const server::StoreEntryInfo& in, v1::StoreEntry* out) {
   out->set_bytes(in.bytes);
   out->set_owner_uid(in.owner);
   out->set_refs(in.refs);
+  out->set_set_id(in.publish_id);
+  out->set_block_bytes(in.block_bytes);
+  out->set_offset(in.offset);
+}
+
+Status FromProto(const v1::PublishTensorsRequest& in, std::vector<server::NamedTensor>* tensors,
+                 std::vector<uid_t>* readers) {
+  tensors->clear();
+  tensors->reserve(in.tensors_size());
+  for (int i = 0; i < in.tensors_size(); ++i) {
+    const v1::NamedTensor& t = in.tensors(i);
+    server::NamedTensor n;
+    n.name = t.name();
+    OPD_RETURN_IF_ERROR(TensorFromProto("tensor " + std::to_string(i), t.tensor(), &n.tensor));
+    tensors->push_back(std::move(n));
+  }
+  readers->assign(in.reader_uids().begin(), in.reader_uids().end());
+  return Status::Ok();
 }
 
 }  // namespace cache_dit_opd

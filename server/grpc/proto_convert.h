@@ -18,5 +18,8 @@ void ToProto(const OpenSessionResult& in, v1::OpenSessionReply* out);
 void ToProto(const StatsSnapshot& in, v1::StatsReply* out);
 server::PublishFileParams FromProto(const v1::PublishFileRequest& in);
 void ToProto(const server::StoreEntryInfo& in, v1::StoreEntry* out);
+// BAD_ARGUMENT as CallFromProto's for a tensor it could not take.
+Status FromProto(const v1::PublishTensorsRequest& in, std::vector<server::NamedTensor>* tensors,
+                 std::vector<uid_t>* readers);
 
 }  // namespace cache_dit_opd

@@ -18,6 +18,9 @@ struct MappedRegion {
   void* base = nullptr;
   uint64_t size = 0;
   int device = -1;  // CUDA ordinal in the daemon's process
+  // The daemon's own memory lent to the session read-only (a weight-store
+  // block the client attached): no op may write it.
+  bool read_only = false;
 };
 
 class RegionResolver {

@@ -22,6 +22,7 @@ RegionRegistry::~RegionRegistry() {
 }
 
 bool RegionRegistry::IdleLocked(const Region& r) const {
+  if (r.pins > 0) return false;
   for (uint32_t l = 0; l < lanes_; ++l) {
     if (r.last_use[l] > completed_(l)) return false;
   }
@@ -29,8 +30,35 @@ bool RegionRegistry::IdleLocked(const Region& r) const {
 }
 
 void RegionRegistry::CloseAll(std::vector<Region>& regions) {
-  for (Region& r : regions) opener_->Close(r.base);
-  regions.clear();
+  for (Region& r : regions) {
+    if (!r.shared) opener_->Close(r.base);
+  }
+  regions.clear();  // a shared region's keep-alive references go here
+}
+
+Status RegionRegistry::MakeRoomLocked(uint64_t bytes, std::vector<Region>* evicted) {
+  auto count = [&] { return uint64_t{active_.size()} + pending_.size(); };
+  while (count() + 1 > limits_.max_regions || mapped_bytes_ + bytes > limits_.max_bytes) {
+    // LRU among idle regions; pending ones are not ours to evict.
+    auto victim = active_.end();
+    for (auto it = active_.begin(); it != active_.end(); ++it) {
+      if (!IdleLocked(it->second)) continue;
+      if (victim == active_.end() || it->second.lru_tick < victim->second.lru_tick) victim = it;
+    }
+    if (victim == active_.end()) {
+      if (count() + 1 > limits_.max_regions) {
+        return Status::Rejected(Reason::kResourceExhausted, "session has ", count(), " regions mapped (--max-regions ",
+                                limits_.max_regions, ") and none is idle");
+      }
+      return Status::Rejected(Reason::kResourceExhausted, "session has ", mapped_bytes_, " bytes mapped; ", bytes,
+                              " more would exceed --max-mapped-bytes ", limits_.max_bytes, " and no region is idle");
+    }
+    mapped_bytes_ -= victim->second.mapped_bytes();
+    id_by_handle_.erase(victim->second.handle);
+    evicted->push_back(std::move(victim->second));
+    active_.erase(victim);
+  }
+  return Status::Ok();
 }
 
 Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, Registered* out) {
@@ -103,28 +131,7 @@ Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, 
       *out = Registered{r.id, r.size, true};
       return Status::Ok();
     }
-    auto count = [&] { return uint64_t{active_.size()} + pending_.size(); };
-    while (count() + 1 > limits_.max_regions || mapped_bytes_ + size > limits_.max_bytes) {
-      // LRU among idle regions; pending ones are not ours to evict.
-      auto victim = active_.end();
-      for (auto it = active_.begin(); it != active_.end(); ++it) {
-        if (!IdleLocked(it->second)) continue;
-        if (victim == active_.end() || it->second.lru_tick < victim->second.lru_tick) victim = it;
-      }
-      if (victim == active_.end()) {
-        if (count() + 1 > limits_.max_regions) {
-          return Status::Rejected(Reason::kResourceExhausted, "session has ", count(), " regions mapped (--max-regions ",
-                                           limits_.max_regions, ") and none is idle");
-        }
-        return Status::Rejected(Reason::kResourceExhausted, "session has ", mapped_bytes_, " bytes mapped; ", size,
-                                         " more would exceed --max-mapped-bytes ", limits_.max_bytes,
-                                         " and no region is idle");
-      }
-      mapped_bytes_ -= victim->second.size;
-      id_by_handle_.erase(victim->second.handle);
-      evicted.push_back(std::move(victim->second));
-      active_.erase(victim);
-    }
+    OPD_RETURN_IF_ERROR(MakeRoomLocked(size, &evicted));
     Region r;
     r.id = next_id_++;
     r.handle = key;
@@ -139,6 +146,51 @@ Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, 
     keep = true;
   }
   // Evicted regions were idle: nothing of ours still runs on them.
+  CloseAll(evicted);
+  return Status::Ok();
+}
+
+Status RegionRegistry::RegisterShared(const std::string& key, void* base, uint64_t size,
+                                      std::vector<std::shared_ptr<const void>> keepalive, Registered* out) {
+  if (key.size() == kIpcHandleBytes) return Status::Internal("a shared region key of an IPC handle's size");
+  ReleaseCompleted();  // finished pending releases free room first
+  std::vector<Region> evicted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::Rejected(Reason::kSessionEnded, "session is closed");
+    auto keep = [&](Region& r) {
+      for (auto& k : keepalive) {
+        if (std::find(r.keepalive.begin(), r.keepalive.end(), k) == r.keepalive.end()) r.keepalive.push_back(std::move(k));
+      }
+      r.lru_tick = ++tick_;
+      *out = Registered{r.id, r.size, true};
+    };
+    if (auto it = id_by_handle_.find(key); it != id_by_handle_.end()) {
+      keep(active_.at(it->second));
+      return Status::Ok();
+    }
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {  // unregistered, not released yet: revive
+      if (it->handle != key) continue;
+      Region r = std::move(*it);
+      pending_.erase(it);
+      keep(r);
+      id_by_handle_[key] = r.id;
+      active_.emplace(r.id, std::move(r));
+      return Status::Ok();
+    }
+    OPD_RETURN_IF_ERROR(MakeRoomLocked(0, &evicted));
+    Region r;
+    r.id = next_id_++;
+    r.handle = key;
+    r.base = base;
+    r.size = size;
+    r.shared = true;
+    r.last_use.assign(lanes_, 0);
+    keep(r);
+    id_by_handle_[key] = r.id;
+    *out = Registered{r.id, size, false};
+    active_.emplace(r.id, std::move(r));
+  }
   CloseAll(evicted);
   return Status::Ok();
 }
@@ -158,7 +210,7 @@ Status RegionRegistry::Resolve(uint64_t region_id, MappedRegion* out) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = active_.find(region_id);
   if (it == active_.end()) return Status::Rejected(Reason::kRegionUnknown, "region ", region_id, " is not registered in this session");
-  *out = MappedRegion{it->second.base, it->second.size, device_};
+  *out = it->second.Mapped(device_);
   return Status::Ok();
 }
 
@@ -170,8 +222,37 @@ Status RegionRegistry::ResolveForCall(uint64_t region_id, uint32_t lane, uint64_
   Region& r = it->second;
   r.last_use[lane] = std::max(r.last_use[lane], seq);
   r.lru_tick = ++tick_;
-  *out = MappedRegion{r.base, r.size, device_};
+  *out = r.Mapped(device_);
   return Status::Ok();
+}
+
+RegionRegistry::Region* RegionRegistry::FindAnyLocked(uint64_t region_id) {
+  if (auto it = active_.find(region_id); it != active_.end()) return &it->second;
+  for (Region& r : pending_) {
+    if (r.id == region_id) return &r;
+  }
+  return nullptr;
+}
+
+Status RegionRegistry::PinForCopy(uint64_t region_id, MappedRegion* out, Pin* pin) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = active_.find(region_id);
+  if (it == active_.end()) return Status::Rejected(Reason::kRegionUnknown, "region ", region_id, " is not registered in this session");
+  ++it->second.pins;
+  it->second.lru_tick = ++tick_;
+  *out = it->second.Mapped(device_);
+  pin->registry_ = this;
+  pin->id_ = region_id;
+  return Status::Ok();
+}
+
+void RegionRegistry::Unpin(uint64_t region_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (Region* r = FindAnyLocked(region_id); r != nullptr && r->pins > 0) --r->pins;
+}
+
+RegionRegistry::Pin::~Pin() {
+  if (registry_ != nullptr) registry_->Unpin(id_);
 }
 
 size_t RegionRegistry::ReleaseCompleted() {
@@ -182,7 +263,7 @@ size_t RegionRegistry::ReleaseCompleted() {
     auto keep_end = std::partition(pending_.begin(), pending_.end(),
                                    [&](const Region& r) { return !IdleLocked(r); });
     for (auto it = keep_end; it != pending_.end(); ++it) {
-      mapped_bytes_ -= it->size;
+      mapped_bytes_ -= it->mapped_bytes();
       done.push_back(std::move(*it));
     }
     pending_.erase(keep_end, pending_.end());

@@ -21,14 +21,28 @@
 // daemon's own record of what its lane stream finished (not the shared
 // memory, which the client can write).
 //
+// Shared regions: memory the daemon owns and lends to the session (a weight-
+// store block the client attached; RegisterShared). Nothing is opened or
+// closed for one: the registry holds the caller's keep-alive references
+// until the region is released by the same rules, then drops them. They are
+// read-only (MappedRegion::read_only: the dispatch layer refuses a written
+// tensor in one), count against max_regions, not against max_bytes (the
+// daemon maps nothing for them), and are keyed apart from IPC handles.
+//
+// Pins: a region pinned (PinForCopy) is not idle: it is released only after
+// the pin is dropped, whatever the lanes say. For work outside the lanes
+// (a publish copying a client's tensors into the store).
+//
 // Threads: all methods are thread-safe. Register and ReleaseCompleted call
-// RegionOpener::Open/Close, which may synchronize the device: the daemon runs
+// RegionOpener::Open/Close, which may synchronize the device, and dropping a
+// shared region's last keep-alive may free device memory: the daemon runs
 // them on its reaper thread only.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -77,6 +91,16 @@ class RegionRegistry final : public RegionResolver {
   // limits are reached and no region is idle.
   Status Register(std::string_view handle, uint64_t claimed_size, Registered* out);
 
+  // RegionRegistry::RegisterShared
+  //
+  // Lends [base, base + size) of the daemon's own memory to the session as a
+  // read-only region under `key` (never 64 bytes long, so never an IPC
+  // handle's), holding `keepalive`. A key registered already returns its id
+  // (reused = true), keeping each of `keepalive` it does not hold yet.
+  // RESOURCE_EXHAUSTED when the session holds max_regions and none is idle.
+  Status RegisterShared(const std::string& key, void* base, uint64_t size,
+                        std::vector<std::shared_ptr<const void>> keepalive, Registered* out);
+
   // RegionRegistry::Unregister
   //
   // Removes the id at once (later lookups: NOT_FOUND) and schedules the
@@ -91,6 +115,24 @@ class RegionRegistry final : public RegionResolver {
   // Lookup for call `seq` on `lane`: records the use, refreshes LRU order.
   // NOT_FOUND naming the id; INVALID_ARGUMENT for a lane out of range.
   Status ResolveForCall(uint64_t region_id, uint32_t lane, uint64_t seq, MappedRegion* out);
+
+  // A pin on a region for work the lanes do not order: while it lives the
+  // region is not released (nor evicted), also when unregistered meanwhile.
+  class Pin {
+   public:
+    Pin() = default;
+    Pin(Pin&& o) noexcept : registry_(o.registry_), id_(o.id_) { o.registry_ = nullptr; }
+    Pin& operator=(Pin&&) = delete;
+    ~Pin();
+
+   private:
+    friend class RegionRegistry;
+    Pin(RegionRegistry* registry, uint64_t id) : registry_(registry), id_(id) {}
+    RegionRegistry* registry_ = nullptr;
+    uint64_t id_ = 0;
+  };
+  // The region `region_id` as Resolve sees it, pinned until `*pin` goes.
+  Status PinForCopy(uint64_t region_id, MappedRegion* out, Pin* pin);
 
   // Closes every pending region whose lanes have passed its last use.
   // Returns how many remain pending.
@@ -110,14 +152,26 @@ class RegionRegistry final : public RegionResolver {
  private:
   struct Region {
     uint64_t id = 0;
-    std::string handle;
+    std::string handle;  // the IPC handle, or a shared region's key
     void* base = nullptr;
     uint64_t size = 0;
     std::vector<uint64_t> last_use;  // per lane: last seq that used it
     uint64_t lru_tick = 0;
+    uint32_t pins = 0;
+    bool shared = false;  // lent by the daemon: keepalive instead of an opener mapping
+    std::vector<std::shared_ptr<const void>> keepalive;
+    uint64_t mapped_bytes() const { return shared ? 0 : size; }
+    MappedRegion Mapped(int device) const { return MappedRegion{base, size, device, shared}; }
   };
 
   bool IdleLocked(const Region& r) const;
+  // Makes room for one more region of `bytes` mapped bytes by evicting idle
+  // regions, least recently used first, into `evicted`; RESOURCE_EXHAUSTED
+  // when nothing idle is left.
+  Status MakeRoomLocked(uint64_t bytes, std::vector<Region>* evicted);
+  // Finds an active or pending region by id (pins outlive an unregister).
+  Region* FindAnyLocked(uint64_t region_id);
+  void Unpin(uint64_t region_id);
   // Closes regions outside the lock.
   void CloseAll(std::vector<Region>& regions);
 

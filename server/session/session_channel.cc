@@ -1,5 +1,6 @@
 #include "server/session/session_channel.h"
 
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -26,17 +27,9 @@ constexpr int kListenBacklog = 64;
 // stays readable, so polling it again at once would spin.
 bool OutOfResources(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
 
-}  // namespace
-
-Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_bytes, int fd) {
-  v1::BindReply reply{};
-  reply.status_code = static_cast<int32_t>(status.code());
-  reply.layout_version = v1::kLayoutVersion;
-  reply.shared_memory_bytes = status.ok() ? shared_memory_bytes : 0;
-  reply.reason = static_cast<uint32_t>(status.reason());
-  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
-
-  iovec iov{&reply, sizeof(reply)};
+// One SEQPACKET message of `bytes` with `fd` (when >= 0) as SCM_RIGHTS.
+Status SendMessage(int sock, const void* bytes, size_t size, int fd, const char* what) {
+  iovec iov{const_cast<void*>(bytes), size};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -52,10 +45,31 @@ Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_byte
     std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
   }
   ssize_t n = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-  if (n != static_cast<ssize_t>(sizeof(reply))) {
-    return Status::Internal("sendmsg(BindReply): ", n < 0 ? std::strerror(errno) : "short write");
+  if (n != static_cast<ssize_t>(size)) {
+    return Status::Internal("sendmsg(", what, "): ", n < 0 ? std::strerror(errno) : "short write");
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_bytes, int fd) {
+  v1::BindReply reply{};
+  reply.status_code = static_cast<int32_t>(status.code());
+  reply.layout_version = v1::kLayoutVersion;
+  reply.shared_memory_bytes = status.ok() ? shared_memory_bytes : 0;
+  reply.reason = static_cast<uint32_t>(status.reason());
+  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
+  return SendMessage(sock, &reply, sizeof(reply), fd, "BindReply");
+}
+
+Status SendAttachReply(int sock, const Status& status, v1::StoreAttachReply reply, int fd) {
+  if (!status.ok()) reply = v1::StoreAttachReply{};
+  reply.status_code = static_cast<int32_t>(status.code());
+  reply.reason = static_cast<uint32_t>(status.reason());
+  std::memset(reply.message, 0, sizeof(reply.message));
+  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
+  return SendMessage(sock, &reply, sizeof(reply), status.ok() ? fd : -1, "StoreAttachReply");
 }
 
 SessionChannel::SessionChannel(std::string path, SessionManager* manager, std::chrono::milliseconds tick,
@@ -257,41 +271,49 @@ Status SessionChannel::HandleAdmin(std::string_view bytes, const PeerCred& peer)
   return s;
 }
 
-void SessionChannel::HandleBind(Conn& conn) {
+void SessionChannel::HandleFirstMessage(Conn& conn) {
   // One message; MSG_TRUNC reports its real length so oversize is caught.
-  char buf[sizeof(v1::BindRequest) + 1];
+  char buf[std::max({sizeof(v1::BindRequest), sizeof(v1::AdminRequest), sizeof(v1::StoreAttachRequest)}) + 1];
   ssize_t n = recv(conn.fd, buf, sizeof(buf), MSG_DONTWAIT | MSG_TRUNC);
   if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
-  int fd = conn.fd;
   if (n <= 0) {
-    CloseConn(fd);  // closed before binding
+    CloseConn(conn.fd);  // closed before binding
     return;
   }
+  const std::string_view bytes(buf, std::min<size_t>(static_cast<size_t>(n), sizeof(buf)));
+  if (static_cast<size_t>(n) == sizeof(v1::AdminRequest)) {
+    Status a = HandleAdmin(bytes, conn.peer);
+    (void)SendBindReply(conn.fd, a, 0, -1);  // best effort: the peer may be gone
+    CloseConn(conn.fd);
+  } else if (static_cast<size_t>(n) == sizeof(v1::StoreAttachRequest)) {
+    HandleAttach(conn, bytes);
+  } else if (static_cast<size_t>(n) > sizeof(v1::BindRequest)) {
+    RefuseBind(conn, Status::Rejected(Reason::kMalformed, "bind request is ", n, " bytes, expected ",
+                                      sizeof(v1::BindRequest)));
+  } else {
+    HandleBind(conn, bytes);
+  }
+}
+
+void SessionChannel::RefuseBind(Conn& conn, const Status& s) {
+  // A peer can cause this at will: a bounded number of lines per interval.
+  static LogThrottle refused(10, std::chrono::seconds(10));
+  if (const auto v = refused.Next(); v.log) {
+    spdlog::warn("session channel: bind refused for pid {} uid {}: {}{}", conn.peer.pid, conn.peer.uid, s.ToString(),
+                 SuppressedNote(v.suppressed));
+  }
+  (void)SendBindReply(conn.fd, s, 0, -1);  // best effort: the peer may be gone
+  CloseConn(conn.fd);
+}
+
+void SessionChannel::HandleBind(Conn& conn, std::string_view bytes) {
   const PeerCred peer = conn.peer;  // SO_PEERCRED is fixed at connect; read at accept
   std::shared_ptr<Session> session;
-  const size_t len = std::min<size_t>(static_cast<size_t>(n), sizeof(buf));
-  const std::string_view bytes(buf, len);
-  if (len == sizeof(v1::AdminRequest)) {
-    Status a = HandleAdmin(bytes, peer);
-    (void)SendBindReply(fd, a, 0, -1);  // best effort: the peer may be gone
-    CloseConn(fd);
+  if (Status s = manager_->Bind(bytes, peer, &session); !s.ok()) {
+    RefuseBind(conn, s);
     return;
   }
-  Status s = static_cast<size_t>(n) > sizeof(v1::BindRequest)
-                 ? Status::Rejected(Reason::kMalformed, "bind request is ", n, " bytes, expected ",
-                                    sizeof(v1::BindRequest))
-                 : manager_->Bind(bytes, peer, &session);
-  if (!s.ok()) {
-    // A peer can cause this at will: a bounded number of lines per interval.
-    static LogThrottle refused(10, std::chrono::seconds(10));
-    if (const auto v = refused.Next(); v.log) {
-      spdlog::warn("session channel: bind refused for pid {} uid {}: {}{}", peer.pid, peer.uid, s.ToString(),
-                   SuppressedNote(v.suppressed));
-    }
-    (void)SendBindReply(fd, s, 0, -1);  // best effort: the peer may be gone
-    CloseConn(fd);
-    return;
-  }
+  const int fd = conn.fd;
   Status sent = SendBindReply(fd, Status::Ok(), session->memory().bytes(), session->memory().fd());
   if (!sent.ok()) {
     CloseConn(fd);
@@ -302,9 +324,32 @@ void SessionChannel::HandleBind(Conn& conn) {
   conn.session_id = session->id();
 }
 
+void SessionChannel::HandleAttach(Conn& conn, std::string_view bytes) {
+  std::shared_ptr<Session> session;
+  std::string name;
+  Status s = manager_->AdmitAttach(bytes, conn.peer, &session, &name);
+  if (s.ok() && !attach_) s = Status(StatusCode::kUnimplemented, "this daemon has no weight store");
+  if (s.ok()) {
+    const int reply_fd = fcntl(conn.fd, F_DUPFD_CLOEXEC, 0);
+    if (reply_fd >= 0) {
+      attach_(std::move(session), std::move(name), reply_fd);
+      CloseConn(conn.fd);
+      return;
+    }
+    s = Status::Internal("store attach: dup: ", std::strerror(errno));
+  }
+  static LogThrottle refused(10, std::chrono::seconds(10));  // any peer can ask
+  if (const auto v = refused.Next(); v.log) {
+    spdlog::warn("session channel: store attach refused for pid {} uid {}: {}{}", conn.peer.pid, conn.peer.uid,
+                 s.ToString(), SuppressedNote(v.suppressed));
+  }
+  (void)SendAttachReply(conn.fd, s, v1::StoreAttachReply{}, -1);  // best effort: the peer may be gone
+  CloseConn(conn.fd);
+}
+
 void SessionChannel::OnReadable(Conn& conn) {
   if (conn.session_id == 0) {
-    HandleBind(conn);
+    HandleFirstMessage(conn);
     return;
   }
   // Bound: the protocol has no further client messages; read to detect EOF.

@@ -13,6 +13,14 @@
 //   or: client sends AdminRequest (an operator's drain, session_memory.h)
 //   daemon answers BindReply{the admin handler's status} and closes
 //
+//   or: client sends StoreAttachRequest (a bound session's process
+//   attaching a weight-store entry): SessionManager::AdmitAttach checks the
+//   message, the session (token, bound) and that the peer is the process
+//   that bound it (SO_PEERCRED pid and uid), then the channel hands a
+//   duplicate of the connection to the attach handler, which answers
+//   StoreAttachReply (+ the block's descriptor) from its own thread; the
+//   channel closes its end at once (a refusal it answers itself)
+//
 // When a bound connection closes (the client exited or crashed, or closed it
 // deliberately) the session ends at once. When the session ends for another
 // reason (CloseSession, bind timeout, shutdown) CloseSession(id) closes the
@@ -91,6 +99,14 @@ class SessionChannel {
   // Without a handler, admin requests are UNIMPLEMENTED. Set before Start.
   using AdminHandler = std::function<Status(v1::AdminCommand, const PeerCred&)>;
   void SetAdminHandler(AdminHandler handler) { admin_ = std::move(handler); }
+  // What a StoreAttachRequest does once the channel has admitted it (the
+  // daemon's weight store): called on the channel thread with the session,
+  // the entry's name and `reply_fd`, a descriptor of the connection that
+  // the handler owns: it answers with SendAttachReply (from any thread: the
+  // work may synchronize the device) and closes it. Without a handler,
+  // attach requests are UNIMPLEMENTED. Set before Start.
+  using AttachHandler = std::function<void(std::shared_ptr<Session>, std::string name, int reply_fd)>;
+  void SetAttachHandler(AttachHandler handler) { attach_ = std::move(handler); }
   // Starts the channel thread (after Listen).
   Status Start();
   // Stops accepting new connections (drain); bound ones stay.
@@ -120,8 +136,13 @@ class SessionChannel {
   void PauseAccepting();
   void ResumeAccepting();
   void OnReadable(Conn& conn);
-  void HandleBind(Conn& conn);
+  // The first message of a connection: a bind, an admin request or an
+  // attach (by its size).
+  void HandleFirstMessage(Conn& conn);
+  void HandleBind(Conn& conn, std::string_view bytes);
+  void RefuseBind(Conn& conn, const Status& why);
   Status HandleAdmin(std::string_view bytes, const PeerCred& peer);
+  void HandleAttach(Conn& conn, std::string_view bytes);
   void CloseConn(int fd);
   void Wake();
 
@@ -130,6 +151,7 @@ class SessionChannel {
   const std::chrono::milliseconds tick_;
   SessionChannelLimits limits_;
   AdminHandler admin_;
+  AttachHandler attach_;
 
   int listen_fd_ = -1;
   bool created_ = false;  // we bound the socket file, so Stop removes it
@@ -151,5 +173,7 @@ class SessionChannel {
 
 // Sends `reply` (and `fd` when >= 0, as SCM_RIGHTS) as one SEQPACKET message.
 Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_bytes, int fd);
+// Sends `reply` with `status` written into it (and `fd` when >= 0).
+Status SendAttachReply(int sock, const Status& status, v1::StoreAttachReply reply, int fd);
 
 }  // namespace cache_dit_opd

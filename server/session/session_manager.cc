@@ -193,6 +193,40 @@ Status SessionManager::Authorize(uint64_t session_id, std::string_view token, bo
   return Status::Ok();
 }
 
+Status SessionManager::AdmitAttach(std::string_view bytes, const PeerCred& peer, std::shared_ptr<Session>* out,
+                                   std::string* name) const {
+  if (bytes.size() != sizeof(v1::StoreAttachRequest)) {
+    return Status::Rejected(Reason::kMalformed, "store attach request is ", bytes.size(), " bytes, expected ",
+                            sizeof(v1::StoreAttachRequest));
+  }
+  v1::StoreAttachRequest req;
+  std::memcpy(&req, bytes.data(), sizeof(req));
+  if (req.magic != v1::kStoreAttachMagic) {
+    return Status::Rejected(Reason::kMalformed, "a ", sizeof(req), "-byte message that is not a store attach request (magic 0x",
+                            std::hex, req.magic, ")");
+  }
+  if (req.protocol_version != v1::kProtocolVersion) {
+    return Status::Rejected(Reason::kVersionMismatch, "store attach request of protocol version ", req.protocol_version,
+                            ", this daemon speaks ", v1::kProtocolVersion);
+  }
+  if (req.name_bytes == 0 || req.name_bytes > v1::kMaxStoreNameBytes || req.reserved != 0) {
+    return Status::Rejected(Reason::kMalformed, "store attach request with a name of ", req.name_bytes,
+                            " bytes (1 to ", v1::kMaxStoreNameBytes, ") and reserved ", req.reserved);
+  }
+  std::shared_ptr<Session> s;
+  OPD_RETURN_IF_ERROR(Authorize(req.session_id,
+                                std::string_view(reinterpret_cast<const char*>(req.token), sizeof(req.token)),
+                                /*require_bound=*/true, &s));
+  // The token alone is not enough: only the process that bound the session.
+  if (peer.pid != s->peer().pid || peer.uid != s->peer().uid) {
+    return Status::Rejected(Reason::kPeerRefused, "session ", req.session_id, " was bound by pid ", s->peer().pid,
+                            " uid ", s->peer().uid, "; pid ", peer.pid, " uid ", peer.uid, " may not attach for it");
+  }
+  name->assign(req.name, req.name_bytes);
+  *out = std::move(s);
+  return Status::Ok();
+}
+
 Status SessionManager::Close(uint64_t session_id, std::string_view token) {
   OPD_RETURN_IF_ERROR(CheckTokenSize(token));
   {

@@ -9,6 +9,9 @@
 //             bind hook then runs (the daemon starts the session's ring
 //             consumer there).
 //   Authorize every session-scoped RPC: token size, id, token, bound.
+//   AdmitAttach the session channel's StoreAttachRequest plus SO_PEERCRED:
+//             the message, then Authorize, then the peer must be the
+//             process that bound the session (pid and uid).
 //   End       removes the session at once (later RPCs: NOT_FOUND) and hands
 //             it to the end hook (the daemon drops its queued calls, waits
 //             for its lanes to drain on the reaper, then unmaps).
@@ -84,6 +87,15 @@ class SessionManager {
   // `bytes` is the channel message as received (checked: exactly
   // sizeof(BindRequest), magic, protocol version).
   Status Bind(std::string_view bytes, const PeerCred& peer, std::shared_ptr<Session>* out);
+
+  // SessionManager::AdmitAttach
+  //
+  // `bytes` is the channel message as received. MALFORMED (size, magic,
+  // name_bytes outside 1..kMaxStoreNameBytes, reserved != 0),
+  // VERSION_MISMATCH, Authorize's reasons, PEER_REFUSED for another pid or
+  // uid than the bound peer's. On success the session and the entry name.
+  Status AdmitAttach(std::string_view bytes, const PeerCred& peer, std::shared_ptr<Session>* out,
+                     std::string* name) const;
 
   // Session-scoped RPC check; `require_bound` false only for CloseSession.
   Status Authorize(uint64_t session_id, std::string_view token, bool require_bound,

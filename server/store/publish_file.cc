@@ -59,7 +59,7 @@ Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileP
       part.bytes = n;
       std::span<std::byte> dst(chunk.data(), n);
       OPD_RETURN_IF_ERROR(file->Read(part, dst));
-      OPD_RETURN_IF_ERROR(e.block->Write(at, dst));
+      OPD_RETURN_IF_ERROR(e.Write(at, dst));
     }
     return Status::Ok();
   };

@@ -25,9 +25,9 @@ std::string Shape(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-// The byte count the limit is checked against. Entries subtract their bytes
+// The byte count the limit is checked against. Blocks subtract their bytes
 // in their deleter, which may run after the store is gone (a StoreRef held
-// by a call that finishes later), so it lives in a block of its own.
+// by an attachment that ends later), so it lives in a block of its own.
 struct WeightStore::Shared {
   std::atomic<uint64_t> used{0};
 };
@@ -73,8 +73,18 @@ bool WeightStore::MayRead(const PeerCred& who, const StoreEntry& e) const {
   return who.gid == *allowed_gid_ || std::find(who.groups.begin(), who.groups.end(), *allowed_gid_) != who.groups.end();
 }
 
+Status StoreEntry::Write(uint64_t at, std::span<const std::byte> src) const {
+  if (at > bytes || src.size() > bytes - at) {
+    return Status::Internal("store entry '", name, "': write of ", src.size(), " bytes at ", at, " past its ", bytes);
+  }
+  return block->Write(offset + at, src);
+}
+
+Status StoreEntry::CopyFromDevice(const void* src) const { return block->CopyFromDevice(offset, src, bytes); }
+
 StoreEntryInfo WeightStore::Info(const StoreRef& ref) {
-  return {ref->name, ref->dtype, ref->shape, ref->bytes, ref->owner, ref.use_count() - 1};
+  return {ref->name,       ref->dtype, ref->shape, ref->bytes, ref->owner, ref.use_count() - 1, ref->publish_id,
+          ref->block ? ref->block->bytes() : 0, ref->offset};
 }
 
 Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensorSpec>& specs,
@@ -87,7 +97,7 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
   // Everything about the set that needs no lock: names, dtypes, sizes.
   std::vector<std::unique_ptr<StoreEntry>> made;
   std::set<std::string_view> names;
-  uint64_t total = 0;
+  uint64_t extent = 0;  // the set's bytes in its block, alignment gaps included
   for (const StoreTensorSpec& spec : specs) {
     if (Status s = CheckName(spec.name); !s.ok()) return s;
     if (!names.insert(spec.name).second) {
@@ -107,11 +117,17 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
       return Status::Rejected(Reason::kBadArgument, "publish '", spec.name, "': shape ", Shape(spec.shape),
                               negative ? " has a negative size" : "'s byte count overflows 64 bits");
     }
-    if (total > std::numeric_limits<uint64_t>::max() - bytes) {
-      return Status::Rejected(Reason::kBadArgument, "publish: the set's byte count overflows 64 bits");
-    }
-    total += bytes;
+    // The entry's place in the set's block: the next multiple of
+    // kStoreAlignment (an empty tensor takes no place).
     auto e = std::make_unique<StoreEntry>();
+    if (bytes > 0) {
+      const uint64_t at = (extent + kStoreAlignment - 1) / kStoreAlignment * kStoreAlignment;
+      if (at < extent || at > std::numeric_limits<uint64_t>::max() - bytes) {
+        return Status::Rejected(Reason::kBadArgument, "publish: the set's byte count overflows 64 bits");
+      }
+      e->offset = at;
+      extent = at + bytes;
+    }
     e->name = spec.name;
     e->dtype = spec.dtype;
     e->shape = spec.shape;
@@ -120,6 +136,9 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
     e->readers = readers;
     made.push_back(std::move(e));
   }
+  // What the block takes from the device, the limit's unit.
+  const uint64_t total = allocator_->AllocationBytes(extent);
+  if (total < extent) return Status::Rejected(Reason::kBadArgument, "publish: the set's byte count overflows 64 bits");
 
   // Reserve the names and the bytes.
   uint64_t publish_id = 0;
@@ -141,43 +160,52 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
     for (const auto& e : made) pending_.insert(e->name);
     publish_id = next_publish_id_++;
   }
-  // Until the set is published, a failure gives back the names and bytes
-  // (the blocks already allocated are freed with `made`, unlocked).
+  // Until the set is published, a failure gives back the names, and the
+  // bytes unless its block was made (the block gives them back when it goes,
+  // with `made`, unlocked).
   bool published = false;
   struct Release {
     WeightStore* store;
     const std::vector<std::unique_ptr<StoreEntry>>& made;
     uint64_t total;
     const bool& published;
+    bool block_made = false;
     ~Release() {
       if (published) return;
       std::lock_guard<std::mutex> lock(store->mu_);
       for (const auto& e : made) store->pending_.erase(e->name);
-      store->shared_->used -= total;
+      if (!block_made) store->shared_->used -= total;
     }
   } release{this, made, total, published};
 
+  std::shared_ptr<StoreBlock> block;
+  if (extent > 0) {
+    std::unique_ptr<StoreBlock> raw;
+    if (Status s = allocator_->Allocate(extent, &raw); !s.ok()) {
+      return s.Annotated("publish of " + std::to_string(made.size()) + " tensors (" + std::to_string(extent) +
+                         " bytes): ");
+    }
+    std::shared_ptr<Shared> shared = shared_;
+    block.reset(raw.release(), [shared, total](StoreBlock* b) {
+      delete b;
+      shared->used -= total;
+    });
+    release.block_made = true;
+  }
   for (size_t i = 0; i < made.size(); ++i) {
     StoreEntry& e = *made[i];
     e.publish_id = publish_id;
     if (e.bytes == 0) continue;
-    if (Status s = allocator_->Allocate(e.bytes, &e.block); !s.ok()) {
-      return s.Annotated("publish '" + e.name + "' (" + std::to_string(e.bytes) + " bytes): ");
-    }
+    e.block = block;
     if (Status s = fill(i, e); !s.ok()) return s.Annotated("publish '" + e.name + "': ");
   }
+  block.reset();  // the entries hold it now
 
-  // Visible at once. Each entry gives its bytes back when its last reference
-  // goes (deferred deletion), wherever that happens.
+  // Visible at once. The block goes (and gives its bytes back) when the last
+  // entry of the set does, wherever that happens: deferred deletion.
   std::vector<StoreRef> refs;
   refs.reserve(made.size());
-  for (auto& e : made) {
-    std::shared_ptr<Shared> shared = shared_;
-    refs.emplace_back(e.release(), [shared](const StoreEntry* p) {
-      shared->used -= p->bytes;
-      delete p;
-    });
-  }
+  for (auto& e : made) refs.emplace_back(e.release());
   if (published_out) published_out->clear();
   std::lock_guard<std::mutex> lock(mu_);
   for (StoreRef& r : refs) {
@@ -222,6 +250,15 @@ Status WeightStore::Delete(const PeerCred& who, std::string_view name) {
     entries_.erase(it);
   }
   return Status::Ok();
+}
+
+std::vector<StoreRef> WeightStore::SetEntries(const PeerCred& who, uint64_t publish_id) const {
+  std::vector<StoreRef> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [name, ref] : entries_) {
+    if (ref->publish_id == publish_id && MayRead(who, *ref)) out.push_back(ref);
+  }
+  return out;
 }
 
 std::vector<StoreEntryInfo> WeightStore::List(const PeerCred& who, std::string_view prefix) const {

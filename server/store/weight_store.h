@@ -1,11 +1,17 @@
 // File: server/store/weight_store.h
 //
 // The weight store's bookkeeping: named, immutable tensors in daemon-owned
-// memory that outlive the clients that published them (issue 20). This class
-// decides names, visibility, ownership, access, the byte limit and when
-// memory is freed; where the bytes live is the StoreAllocator's (GPU memory
-// in the daemon, host memory in tests), and how they get there is the
-// publisher's fill function (a safetensors file, a client's upload).
+// memory that outlive the clients that published them. This class decides
+// names, visibility, ownership, access, the byte limit and when memory is
+// freed; where the bytes live is the StoreAllocator's (GPU memory in the
+// daemon, host memory in tests), and how they get there is the publisher's
+// fill function (a safetensors file, a copy of a client's tensors).
+//
+// Memory: one block per published set, its entries at offsets that are
+// multiples of kStoreAlignment, in the set's order. A block is what a client
+// maps when it attaches an entry (the whole block, read-only: every entry of
+// a set has the same owner and readers), and what the limit counts
+// (StoreAllocator::AllocationBytes of the set's extent).
 //
 // Contract:
 //   - Names are hierarchical: segments of [A-Za-z0-9._-] joined by '/', at
@@ -25,10 +31,11 @@
 //     else is PERMISSION_DENIED naming the uid and the entry (it exists:
 //     saying so leaks only the name the peer asked for). List leaves out the
 //     entries a peer may not read.
-//   - Delete: the owner or root; the entry disappears from lookups at once,
-//     its memory is freed when the last StoreRef to it is dropped (a call in
-//     flight or a client's mapping holds one): deferred deletion. Bytes count
-//     against the limit until then.
+//   - Delete: the owner or root; the entry disappears from lookups at once.
+//     Its set's block is freed once every entry of the set is deleted and
+//     the last StoreRef to any of them is dropped (an attachment holds one
+//     until its last call has finished): deferred deletion. The block's
+//     bytes count against the limit until then.
 //   - Unknown names are NOT_FOUND naming the name.
 //   - Thread safety: every method may be called from any thread; the lock is
 //     never held while memory is allocated, filled or freed. The allocator
@@ -44,10 +51,12 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "cache_dit_opd/v1/wire.h"
 #include "common/call.h"
 #include "common/status.h"
 #include "server/device/store_memory.h"
@@ -55,7 +64,10 @@
 
 namespace cache_dit_opd::server {
 
-inline constexpr size_t kMaxStoreNameBytes = 512;
+inline constexpr size_t kMaxStoreNameBytes = v1::kMaxStoreNameBytes;
+// Where entries start in their set's block: what the kernels' vector loads
+// and TMA boxes need (16), rounded up to the caching allocator's habit.
+inline constexpr uint64_t kStoreAlignment = 256;
 
 struct StoreTensorSpec {
   std::string name;
@@ -71,12 +83,20 @@ struct StoreEntry {
   uint64_t bytes = 0;  // prod(shape) * element size
   uid_t owner = 0;
   std::vector<uid_t> readers;
-  uint64_t publish_id = 0;  // the set it was published with (1, 2, ...)
-  std::unique_ptr<StoreBlock> block;  // null for an empty tensor
+  uint64_t publish_id = 0;  // the set it was published with (1, 2, ...); names its block
+  std::shared_ptr<StoreBlock> block;  // the set's memory; null for an empty tensor
+  uint64_t offset = 0;                // the entry's first byte in `block`
+
+  uint64_t address() const { return block ? block->address() + offset : 0; }
+  // Copies into the entry's bytes [at, at + src.size()); INTERNAL past its end.
+  Status Write(uint64_t at, std::span<const std::byte> src) const;
+  // Copies the whole entry from device memory at `src`.
+  Status CopyFromDevice(const void* src) const;
 };
 
-// A reference that keeps an entry's memory alive (a call in flight, a
-// client's mapping). Dropping the last one of a deleted entry frees it.
+// A reference that keeps an entry (and its set's block) alive: a client's
+// attachment, until its last call has finished. Dropping the last one of a
+// deleted entry lets its block go.
 using StoreRef = std::shared_ptr<const StoreEntry>;
 
 struct StoreEntryInfo {
@@ -85,7 +105,10 @@ struct StoreEntryInfo {
   std::vector<int64_t> shape;
   uint64_t bytes = 0;
   uid_t owner = 0;
-  long refs = 0;  // StoreRefs held outside the store (calls, mappings)
+  long refs = 0;  // StoreRefs held outside the store: sessions that attached its set's block
+  uint64_t publish_id = 0;
+  uint64_t block_bytes = 0;  // its set's block (0 for an empty tensor)
+  uint64_t offset = 0;       // its first byte in that block
 };
 
 class WeightStore {
@@ -99,14 +122,18 @@ class WeightStore {
 
   using Fill = std::function<Status(size_t index, const StoreEntry& entry)>;
   // Publishes `specs` as one set owned by `owner.uid`, readable as the
-  // contract says (plus `readers`). `fill` writes entry i's bytes into its
-  // block (never called for an empty tensor). `published` (optional): the
-  // set's entries, in `specs` order, as they became visible.
+  // contract says (plus `readers`), in one block. `fill` writes entry i's
+  // bytes (StoreEntry::Write / CopyFromDevice; never called for an empty
+  // tensor). `published` (optional): the set's entries, in `specs` order,
+  // as they became visible.
   Status Publish(const PeerCred& owner, const std::vector<StoreTensorSpec>& specs,
                  const std::vector<uid_t>& readers, const Fill& fill,
                  std::vector<StoreEntryInfo>* published = nullptr);
   Status Lookup(const PeerCred& who, std::string_view name, StoreRef* out) const;
   Status Delete(const PeerCred& who, std::string_view name);
+  // The visible entries of the set `publish_id` that `who` may read (what a
+  // session that attaches the set's block can reach), by name.
+  std::vector<StoreRef> SetEntries(const PeerCred& who, uint64_t publish_id) const;
   // The entries `who` may read whose name starts with `prefix`, by name.
   std::vector<StoreEntryInfo> List(const PeerCred& who, std::string_view prefix = {}) const;
 

@@ -7,7 +7,13 @@
 // records what ran where, and the weight store's memory in host blocks.
 #pragma once
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -340,36 +346,75 @@ class FakeRunner : public CallRunner {
   std::vector<Ran> ran;
 };
 
-// The weight store's memory as host blocks: counts what is live and can be
-// told to fail from the n-th allocation on.
+// The weight store's memory as host blocks: each one a memfd mapped shared,
+// so that ExportFd hands a client a descriptor it can map (read-only) and
+// read the very bytes the store holds, as a client maps a CUDA block's fd.
+// Counts what is live and can be told to fail from the n-th allocation on.
+// CopyFromDevice cannot read a fake client's "device" address (it names no
+// memory of this process): it writes what the copy would have been told,
+// each 8-byte word the source address of that word (src + 8 i), so a test
+// sees which region and offset the daemon resolved.
 class HostStoreAllocator : public StoreAllocator {
  public:
   class Block : public StoreBlock {
    public:
-    Block(HostStoreAllocator* a, uint64_t n) : a_(a), bytes_(n), mem_(new std::byte[n]) { ++a_->live; }
-    ~Block() override { --a_->live; }
-    uint64_t address() const override { return reinterpret_cast<uint64_t>(mem_.get()); }
+    Block(HostStoreAllocator* a, uint64_t n, int fd, void* mem) : a_(a), bytes_(n), fd_(fd), mem_(mem) { ++a_->live; }
+    ~Block() override {
+      munmap(mem_, bytes_);
+      close(fd_);
+      --a_->live;
+    }
+    uint64_t address() const override { return reinterpret_cast<uint64_t>(mem_); }
     uint64_t bytes() const override { return bytes_; }
     Status Write(uint64_t offset, std::span<const std::byte> src) override {
       if (offset > bytes_ || src.size() > bytes_ - offset) return Status::Internal("write past the block");
-      std::memcpy(mem_.get() + offset, src.data(), src.size());
+      std::memcpy(static_cast<std::byte*>(mem_) + offset, src.data(), src.size());
       return Status::Ok();
+    }
+    Status CopyFromDevice(uint64_t offset, const void* src, uint64_t n) override {
+      if (offset > bytes_ || n > bytes_ - offset) return Status::Internal("copy past the block");
+      auto* dst = static_cast<std::byte*>(mem_) + offset;
+      for (uint64_t i = 0; i < n; i += 8) {
+        const uint64_t word = reinterpret_cast<uint64_t>(src) + i;
+        std::memcpy(dst + i, &word, std::min<uint64_t>(8, n - i));
+      }
+      return Status::Ok();
+    }
+    Status ExportFd(int* fd) override {
+      if (a_->fail_export) return Status::Internal("fake cuMemExportToShareableHandle failed");
+      *fd = fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+      return *fd >= 0 ? Status::Ok() : Status::Internal("dup: ", std::strerror(errno));
     }
 
    private:
     HostStoreAllocator* a_;
     uint64_t bytes_;
-    std::unique_ptr<std::byte[]> mem_;
+    int fd_;
+    void* mem_;
   };
   Status Allocate(uint64_t bytes, std::unique_ptr<StoreBlock>* out) override {
     if (fail_after >= 0 && allocations.load() >= fail_after) return Status::Rejected(Reason::kResourceExhausted, "device memory full");
+    const uint64_t n = AllocationBytes(bytes);
+    int fd = memfd_create("cache-dit-opd-fake-store", MFD_CLOEXEC);
+    if (fd < 0) return Status::Internal("memfd_create: ", std::strerror(errno));
+    void* mem = ftruncate(fd, static_cast<off_t>(n)) == 0 ? mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                                                          : MAP_FAILED;
+    if (mem == MAP_FAILED) {
+      close(fd);
+      return Status::Internal("mapping a fake store block: ", std::strerror(errno));
+    }
     ++allocations;
-    *out = std::make_unique<Block>(this, bytes);
+    *out = std::make_unique<Block>(this, n, fd, mem);
     return Status::Ok();
+  }
+  uint64_t AllocationBytes(uint64_t bytes) const override {
+    return granularity <= 1 ? bytes : (bytes + granularity - 1) / granularity * granularity;
   }
   std::atomic<int> live{0};
   std::atomic<int> allocations{0};
   int fail_after = -1;
+  bool fail_export = false;
+  uint64_t granularity = 1;  // bytes a block is rounded up to
 };
 
 }  // namespace cache_dit_opd::testing

@@ -1,12 +1,13 @@
 // bind_request_fuzz: the daemon's side of the session channel, the
-// BindRequest a connecting peer sends (server/session/session_manager.h
-// SessionManager::Bind(bytes, peer)), on a real SessionManager over fake
-// device operations (tests/fake_daemon/fakes.h).
+// BindRequest and StoreAttachRequest a connecting peer sends
+// (server/session/session_manager.h SessionManager::Bind(bytes, peer) and
+// AdmitAttach(bytes, peer)), on a real SessionManager over fake device
+// operations (tests/fake_daemon/fakes.h).
 //
 // Input: byte 0: bit 0 gives the policy an --allowed-gid; byte 1: how many
 // sessions to open (1-3, session i for pid 100 + i). Then a script of steps,
 // each led by one byte:
-//   % 4 == 0 or 1   a bind: a control byte, a peer byte, a length byte, then
+//   % 4 == 0        a bind: a control byte, a peer byte, a length byte, then
 //                   that many message bytes (zero-padded at the input's end).
 //                   Control bit 0 makes the message a 48-byte BindRequest,
 //                   bit 1 writes a live session's id into it (session
@@ -15,6 +16,10 @@
 //                   magic and protocol version. The peer byte's bits 0-1
 //                   pick pid 100-103, bit 2 the daemon's uid (else another),
 //                   bit 3 the allowed gid (else another);
+//   % 4 == 1        an attach: the same bytes, control bit 0 making the
+//                   message a 568-byte StoreAttachRequest, then a byte of
+//                   name length that (with control bit 3) becomes
+//                   name_bytes with reserved 0;
 //   % 4 == 2        End the session (next byte) as CloseSession would;
 //   % 4 == 3        Tick past the bind deadline (drops unbound sessions).
 //
@@ -22,7 +27,10 @@
 // in their order (size, magic, version, peer policy, session, token, pid,
 // not bound yet), with the reason each rule names, recomputed here from a
 // model of the sessions; a bind succeeds at most once per session, hands
-// back that session bound to that peer, and runs the bind hook once.
+// back that session bound to that peer, and runs the bind hook once. Every
+// AdmitAttach answers what its rules say (size, magic, version, name length
+// and reserved, session, token, bound, the bound peer's pid and uid) and,
+// admitted, hands back that session and the name's bytes.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -69,7 +77,26 @@ enum class Model { kUnbound, kBound, kGone };
 struct Known {
   std::shared_ptr<Session> session;
   Model state = Model::kUnbound;
+  PeerCred bound_by;  // the peer of the successful bind
 };
+
+// What session_manager.h says AdmitAttach answers; nullopt for admission.
+std::optional<Reason> ExpectedAttach(std::string_view bytes, const PeerCred& peer,
+                                     const std::map<uint64_t, Known>& sessions) {
+  if (bytes.size() != sizeof(v1::StoreAttachRequest)) return Reason::kMalformed;
+  v1::StoreAttachRequest req;
+  std::memcpy(&req, bytes.data(), sizeof(req));
+  if (req.magic != v1::kStoreAttachMagic) return Reason::kMalformed;
+  if (req.protocol_version != v1::kProtocolVersion) return Reason::kVersionMismatch;
+  if (req.name_bytes == 0 || req.name_bytes > v1::kMaxStoreNameBytes || req.reserved != 0) return Reason::kMalformed;
+  auto it = sessions.find(req.session_id);
+  if (it == sessions.end() || it->second.state == Model::kGone) return Reason::kSessionUnknown;
+  const SessionToken& token = it->second.session->token();
+  if (std::memcmp(token.data(), req.token, token.size()) != 0) return Reason::kBadToken;
+  if (it->second.state != Model::kBound) return Reason::kSessionUnbound;
+  if (peer.pid != it->second.bound_by.pid || peer.uid != it->second.bound_by.uid) return Reason::kPeerRefused;
+  return std::nullopt;
+}
 
 // What session_manager.h says Bind answers; nullopt for success.
 std::optional<Reason> Expected(std::string_view bytes, const PeerCred& peer, bool allowed_gid,
@@ -118,7 +145,7 @@ void Run(const uint8_t* data, size_t size) {
     std::shared_ptr<Session> s;
     const Status st = manager.Open(p, &s);
     OPD_FUZZ_CHECK(st.ok(), "Open: ", st.ToString());
-    sessions[s->id()] = Known{s, Model::kUnbound};
+    sessions[s->id()] = Known{s, Model::kUnbound, {}};
     ids.push_back(s->id());
   }
 
@@ -141,6 +168,44 @@ void Run(const uint8_t* data, size_t size) {
     const uint8_t control = in.Byte();
     const uint8_t who = in.Byte();
     const uint8_t length = in.Byte();
+    // Bit 16: the allowed group among the supplementary ones.
+    const PeerCred peer{static_cast<pid_t>(100 + (who & 3)), (who & 4) ? kOwnUid : kOwnUid + 1,
+                        (who & 8) ? kAllowedGid : kAllowedGid + 1,
+                        (who & 16) ? std::vector<gid_t>{kAllowedGid + 7, kAllowedGid} : std::vector<gid_t>{}};
+    if (op % 4 == 1) {
+      std::string msg = in.Bytes((control & 1) ? sizeof(v1::StoreAttachRequest) : length % 97);
+      const uint8_t name_length = in.Byte();
+      if (msg.size() == sizeof(v1::StoreAttachRequest)) {
+        v1::StoreAttachRequest req;
+        std::memcpy(&req, msg.data(), sizeof(req));
+        const Known& target = sessions[ids[(control >> 4) % ids.size()]];
+        if (control & 2) req.session_id = target.session->id();
+        if (control & 4) std::memcpy(req.token, target.session->token().data(), sizeof(req.token));
+        if (control & 8) {
+          req.magic = v1::kStoreAttachMagic;
+          req.protocol_version = v1::kProtocolVersion;
+          req.name_bytes = name_length;
+          req.reserved = 0;
+        }
+        std::memcpy(msg.data(), &req, sizeof(req));
+      }
+      const std::optional<Reason> expected = ExpectedAttach(msg, peer, sessions);
+      std::shared_ptr<Session> out;
+      std::string name;
+      const Status s = manager.AdmitAttach(msg, peer, &out, &name);
+      if (expected) {
+        OPD_FUZZ_CHECK(!s.ok() && s.reason() == *expected, "AdmitAttach answered ", s.ToString(), "; the rules say ",
+                       ReasonName(*expected));
+        OPD_FUZZ_CHECK(out == nullptr, "a refused attach handed out a session");
+        continue;
+      }
+      OPD_FUZZ_CHECK(s.ok(), "AdmitAttach refused an attach the rules admit: ", s.ToString());
+      v1::StoreAttachRequest req;
+      std::memcpy(&req, msg.data(), sizeof(req));
+      OPD_FUZZ_CHECK(out == sessions[req.session_id].session, "AdmitAttach handed back another session");
+      OPD_FUZZ_CHECK(name == std::string_view(req.name, req.name_bytes), "AdmitAttach named another entry");
+      continue;
+    }
     std::string msg = in.Bytes((control & 1) ? sizeof(v1::BindRequest) : length % 97);
     if (msg.size() == sizeof(v1::BindRequest)) {
       v1::BindRequest req;
@@ -154,11 +219,6 @@ void Run(const uint8_t* data, size_t size) {
       }
       std::memcpy(msg.data(), &req, sizeof(req));
     }
-    // Bit 16: the allowed group among the supplementary ones.
-    const PeerCred peer{static_cast<pid_t>(100 + (who & 3)), (who & 4) ? kOwnUid : kOwnUid + 1,
-                        (who & 8) ? kAllowedGid : kAllowedGid + 1,
-                        (who & 16) ? std::vector<gid_t>{kAllowedGid + 7, kAllowedGid} : std::vector<gid_t>{}};
-
     const std::optional<Reason> expected = Expected(msg, peer, allowed_gid, sessions);
     std::shared_ptr<Session> out;
     const Status s = manager.Bind(msg, peer, &out);
@@ -177,6 +237,7 @@ void Run(const uint8_t* data, size_t size) {
                        out->peer().gid == peer.gid,
                    "Bind handed back another session, or one not bound to the peer");
     k.state = Model::kBound;
+    k.bound_by = peer;
     ++successes;
     OPD_FUZZ_CHECK(bound_hooks == successes, "the bind hook ran ", bound_hooks, " times for ", successes, " binds");
   }
@@ -211,6 +272,13 @@ std::vector<std::string> Seeds() {
   std::string msg(reinterpret_cast<const char*>(&raw), sizeof(raw));
   out.push_back(std::string{'\0', '\0', '\0', '\x01', own_pid0, static_cast<char>(sizeof(raw))} + msg);
   out.push_back(std::string{'\0', '\0', '\0', '\x00', own_pid0, '\x31'} + msg);  // 49 bytes: too long
+  // Binds, then attaches: by the binding process, by another pid, with no name, before binding.
+  auto attach = [](uint8_t session, uint8_t peer, uint8_t name_length) {
+    return std::string{'\1', static_cast<char>(0x0F | (session << 4)), static_cast<char>(peer), '\0'} +
+           std::string(sizeof(v1::StoreAttachRequest), 'n') + std::string(1, static_cast<char>(name_length));
+  };
+  out.push_back(std::string{'\0', '\1'} + bind(0, own_pid0) + attach(0, own_pid0, 12) + attach(0, own_pid1, 12) +
+                attach(0, own_pid0, 0) + attach(1, own_pid1, 3));
   return out;
 }
 

@@ -124,13 +124,40 @@ def run_python(code: str, timeout: float = 120, **env) -> subprocess.CompletedPr
 
 
 class FakeDriver:
-    """The region table's driver calls on simulated allocations: ``alloc(size) -> base``; ``free(base)``."""
+    """The region table's driver calls on simulated allocations: ``alloc(size) -> base``; ``free(base)``.
+
+    ``map_readonly`` maps a weight-store block's descriptor (from the fake-device daemon: a memfd) with
+    ``mmap(PROT_READ)``, so a test reads the very bytes the store holds at the "device" address; ``unmap``
+    undoes it. ``mapped`` holds what is mapped now."""
 
     def __init__(self):
         self.allocs: dict[int, tuple[int, int, bool]] = {}  # base -> (size, buffer id, legacy ipc capable)
         self.next_base = 0x7F0000000000
         self.next_buffer_id = 1
         self.pointer_queries = 0
+        self.mapped: dict[int, int] = {}  # base -> size
+
+    def map_readonly(self, fd: int, size: int, device: int) -> int:
+        import ctypes
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if base in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of a store block ({size} bytes)")
+        self.mapped[base] = size
+        return base
+
+    def unmap(self, base: int, size: int) -> None:
+        import ctypes
+
+        assert self.mapped.pop(base) == size
+        libc = ctypes.CDLL(None)
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap(ctypes.c_void_p(base), size)
 
     def alloc(self, size: int, at: int | None = None, vmm: bool = False) -> int:
         base = at if at is not None else self.next_base

@@ -13,12 +13,26 @@
 //   client -> daemon, one message:  AdminRequest (16 bytes)
 //   daemon -> client, one message:  BindReply (no memfd); then the daemon
 //                                   closes the connection
+//   or, on a connection of its own, a bound session's process attaching a
+//   weight-store entry (server/store/weight_store.h):
+//   client -> daemon, one message:  StoreAttachRequest (568 bytes)
+//   daemon -> client, one message:  StoreAttachReply (384 bytes) with, on
+//                                   success and unless the entry is empty,
+//                                   a file descriptor of its set's block
+//                                   (SCM_RIGHTS); then the daemon closes
+//                                   the connection
+// A connection refused before its message is read (too many connections
+// waiting, no message in time) is answered with a BindReply whatever it was
+// going to send: a client reads a BindReply-sized answer as that refusal.
 // The daemon admits the peer only when SO_PEERCRED's uid equals its own (or
 // its gid equals --allowed-gid) and its pid equals OpenSession's client_pid
 // (the pid the peer has in its own PID namespace: /proc/<pid>/status NSpid).
 // An AdminRequest is admitted from root and the daemon's own uid only.
-// The connection then stays open for the life of the session: when either
-// side closes it, the session ends at once (client death is noticed here).
+// A StoreAttachRequest is admitted from the process that bound the session
+// (the same SO_PEERCRED pid and uid), with the session's token.
+// The bind's connection then stays open for the life of the session: when
+// either side closes it, the session ends at once (client death is noticed
+// here).
 //
 // Shared memory (the memfd; never a named /dev/shm object):
 //   [0, 4096)             SessionMemoryHeader
@@ -88,6 +102,45 @@ struct BindReply {
   char message[252];         // NUL-terminated, for people, when status_code != 0
 };
 static_assert(sizeof(BindReply) == 272);
+
+// Attaching a weight-store entry: the daemon looks it up as the session's
+// peer (the store's access rules), lends the session its set's block as a
+// read-only region (the calls may read it, never write it), and passes the
+// block as a POSIX file descriptor of its CUDA virtual-memory allocation,
+// which the client maps read-only (cuMemImportFromShareableHandle,
+// cuMemMap, cuMemSetAccess with PROT_READ). The entry's tensor starts at
+// `offset` in that mapping; a call names it as (region_id, offset + its own
+// offset), like any region. A client that has mapped the block already
+// (the same daemon_instance and block_id) may close the new descriptor and
+// use its mapping with this session's region_id.
+inline constexpr uint32_t kStoreAttachMagic = 0x48435441u;   // "ATCH"
+
+struct StoreAttachRequest {
+  uint32_t magic;             // kStoreAttachMagic
+  uint32_t protocol_version;  // kProtocolVersion
+  uint64_t session_id;
+  uint8_t token[kTokenBytes];
+  uint32_t name_bytes;        // 1 .. kMaxStoreNameBytes
+  uint32_t reserved;          // 0
+  char name[kMaxStoreNameBytes];  // the entry's name, name_bytes of it
+};
+static_assert(sizeof(StoreAttachRequest) == 568);
+
+struct StoreAttachReply {
+  int32_t status_code;        // google.rpc.Code; 0 = attached
+  uint32_t reason;            // wire.h Reason when status_code != 0 (what the client does)
+  uint64_t region_id;         // the block's region in the session; kNoRegion for an empty tensor (no descriptor)
+  uint64_t daemon_instance;   // random per daemon process
+  uint64_t block_id;          // the set's block, unique in the daemon process
+  uint64_t block_bytes;       // the size the descriptor maps
+  uint64_t offset;            // the entry's first byte in the block
+  uint64_t bytes;             // the entry's bytes
+  uint32_t dtype;             // wire DType
+  uint32_t ndim;              // 0 .. kMaxTensorDims
+  int64_t shape[kMaxTensorDims];
+  char message[256];          // NUL-terminated, for people, when status_code != 0
+};
+static_assert(sizeof(StoreAttachReply) == 384);
 
 struct SessionMemoryHeader {
   uint32_t magic;            // kSessionMemoryMagic

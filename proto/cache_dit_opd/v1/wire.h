@@ -12,6 +12,7 @@
 // Never renumber a dtype; a new one takes the next value and bumps kDTypeCount.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace cache_dit_opd::v1 {
@@ -50,6 +51,9 @@ inline constexpr bool IsWireDType(int64_t value) { return value >= 1 && value < 
 inline constexpr int kMaxTensorDims = 8;
 inline constexpr int kMaxArgs = 32;
 inline constexpr int kMaxListLength = 64;
+// A weight-store entry's name: segments of [A-Za-z0-9._-] joined by '/'
+// (server/store/weight_store.h has the rules).
+inline constexpr size_t kMaxStoreNameBytes = 512;
 
 // Region id 0 names no memory; RegisterRegion never returns it (a
 // session's region ids start at 1). A tensor argument (opd.proto TensorRef,

@@ -22,6 +22,7 @@ METHODS = {
     "Call": (pb.CallRequest, pb.CallReply),
     "GetStats": (pb.StatsRequest, pb.StatsReply),
     "PublishFile": (pb.PublishFileRequest, pb.PublishReply),
+    "PublishTensors": (pb.PublishTensorsRequest, pb.PublishReply),
     "ListStore": (pb.ListStoreRequest, pb.ListStoreReply),
     "DeleteStore": (pb.DeleteStoreRequest, pb.DeleteStoreReply),
 }

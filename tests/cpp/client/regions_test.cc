@@ -244,6 +244,26 @@ TEST_F(RegionCacheTest, OtherDevicesAndLookupErrorsAreRejected) {
   EXPECT_TRUE(daemon.registered.empty());
 }
 
+TEST_F(RegionCacheTest, AFixedRangeIsFoundWithoutTheDriverUntilDropped) {
+  // An attached weight-store block: the driver knows it as no legacy allocation.
+  cache.AddFixed(0x200000, 1 << 21, 7);
+  ResolvedRegion r;
+  ASSERT_TRUE(cache.Find(P(0x200000 + 512), 1024, &r));
+  EXPECT_EQ(r.region_id, 7u);
+  EXPECT_EQ(r.alloc.base, 0x200000u);
+  EXPECT_EQ(backend.lookups, 0);
+  EXPECT_FALSE(cache.Find(P(0x200000 + (1 << 21) - 8), 16, &r));  // runs past its end
+  EXPECT_FALSE(cache.Find(P(0x1ff000), 8, &r));                   // before it (the driver is asked)
+  EXPECT_EQ(backend.lookups, 1);
+  cache.ForgetIds({7});
+  EXPECT_FALSE(cache.Find(P(0x200000), 8, &r));
+  cache.AddFixed(0x200000, 1 << 21, 8);
+  EXPECT_EQ(cache.size(), 1u);
+  cache.Drop(0x200000);
+  EXPECT_FALSE(cache.Find(P(0x200000), 8, &r));
+  EXPECT_EQ(cache.size(), 0u);
+}
+
 TEST_F(RegionCacheTest, FailedRegistrationIsNotCached) {
   backend.Alloc(0x100000, 0x10000, 1);
   daemon.fail_register = Status::ResourceExhausted("--max-regions");

@@ -62,6 +62,7 @@ constexpr uint64_t kBig = 1;       // 1 MiB
 constexpr uint64_t kSmall = 2;     // 256 bytes
 constexpr uint64_t kOddBase = 3;   // base address not 2-byte aligned
 constexpr uint64_t kOtherGpu = 4;  // on device 1
+constexpr uint64_t kStore = 5;     // weight-store memory, read-only
 constexpr uint64_t kSmallSize = 256;
 
 class FakeRegions final : public RegionResolver {
@@ -72,6 +73,7 @@ class FakeRegions final : public RegionResolver {
     regions_[kSmall] = {reinterpret_cast<void*>(0x7f0000200000), kSmallSize, 0};
     regions_[kOddBase] = {reinterpret_cast<void*>(0x7f0000300001), 4096, 0};
     regions_[kOtherGpu] = {reinterpret_cast<void*>(0x7f0000400000), 4096, 1};
+    regions_[kStore] = {reinterpret_cast<void*>(0x7f0000500000), 1 << 20, 0, /*read_only=*/true};
   }
   Status Resolve(uint64_t region_id, MappedRegion* out) const override {
     auto it = regions_.find(region_id);
@@ -347,6 +349,17 @@ TEST_F(KernelOpsTest, ZeroStrideOnReadTensorLeftToTheOp) {
           .ok());
   ExpectError(Runner(true).Run(*call, nullptr, nullptr), StatusCode::kInvalidArgument,
               {"fp8_comm_per_token_quant.out", "contiguous"});
+}
+
+TEST_F(KernelOpsTest, WeightStoreMemoryIsReadButNeverWritten) {
+  Status read = Prepare(PerTokenQuant(View(kStore, 0, {4, 64}, DType::kBFloat16), QuantOut()));
+  EXPECT_TRUE(read.ok()) << read.ToString();
+  ExpectError(Prepare(PerTokenQuant(QuantIn(), View(kStore, 4096, {4, 66}, DType::kFloat8E4M3FN))),
+              StatusCode::kInvalidArgument, {"'out'", "region 5 is weight-store memory, which no op may write"});
+  // Also a written view without an element (it would write nothing, and says so).
+  ExpectError(Prepare(PerTokenQuant(View(kBig, 0, {0, 64}, DType::kBFloat16),
+                                    View(kStore, 0, {0, 66}, DType::kFloat8E4M3FN))),
+              StatusCode::kInvalidArgument, {"'out'", "weight-store memory"});
 }
 
 TEST_F(KernelOpsTest, OffsetPastRegionEnd) {

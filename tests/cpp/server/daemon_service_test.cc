@@ -14,6 +14,7 @@
 #include <grpcpp/security/credentials.h>
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
+#include "client/core/session_channel.h"
 #include "server/daemon.h"
 #include "server/grpc/grpc_server.h"
 #include "server/grpc/grpc_service.h"
@@ -43,10 +44,11 @@ constexpr int kSlowdown = 1;
 
 class DaemonServiceTest : public ::testing::Test {
  protected:
-  void StartDaemon(bool with_gpu, uint32_t drain_ms = 2000) {
+  void StartDaemon(bool with_gpu, uint32_t drain_ms = 2000, uint64_t max_store_bytes = 0) {
     Options o;
     o.drain_deadline_ms = drain_ms;
     o.max_lanes = 4;
+    o.max_store_bytes = max_store_bytes;
     DaemonInfo info;
     info.daemon_version = "0.1.0";
     if (with_gpu) {
@@ -55,7 +57,7 @@ class DaemonServiceTest : public ::testing::Test {
       info.gpu_name = "Fake GPU";
     }
     DaemonDeps deps;
-    if (with_gpu) deps = DaemonDeps{&device_, &opener_, &runner_};
+    if (with_gpu) deps = DaemonDeps{&device_, &opener_, &runner_, &store_};
     std::vector<OpInfo> catalog = {{"op", "out", "cache_dit_cuda_ops::op.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)"}};
     daemon_ = std::make_unique<Daemon>(o, info, catalog, with_gpu ? "" : "no GPU: fake probe said so", deps,
                                        dir_.File("d.session.sock"));
@@ -143,6 +145,18 @@ class DaemonServiceTest : public ::testing::Test {
     return b;
   }
 
+  // RegisterRegion of the fake allocation with handle tag `tag` (a test failure if refused).
+  v1::RegisterRegionReply Register(const Bound& b, uint8_t tag) {
+    v1::RegisterRegionRequest rr;
+    rr.set_session_id(b.id);
+    rr.set_token(b.token);
+    rr.set_ipc_handle(testing::Handle(tag));
+    v1::RegisterRegionReply reg;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub_->RegisterRegion(&ctx, rr, &reg).ok());
+    return reg;
+  }
+
   // Calls are answered when accepted; "done" follows once the executor ran them.
   static bool DoneReaches(Bound& b, uint32_t lane, uint64_t v) {
     for (int i = 0; i < 500; ++i) {
@@ -176,6 +190,7 @@ class DaemonServiceTest : public ::testing::Test {
   FakeDeviceOps device_;
   FakeRegionOpener opener_;
   FakeRunner runner_;
+  testing::HostStoreAllocator store_;
   std::unique_ptr<Daemon> daemon_;
   std::unique_ptr<OperatorDaemonService> service_;
   GrpcServer server_;
@@ -359,15 +374,7 @@ TEST_F(DaemonServiceTest, SessionRegionCallStatsClose) {
 TEST_F(DaemonServiceTest, ClientDeathUnmapsAfterLanesDrain) {
   StartDaemon(/*with_gpu=*/true);
   Bound b = OpenAndBind(1);
-  v1::RegisterRegionRequest rr;
-  rr.set_session_id(b.id);
-  rr.set_token(b.token);
-  rr.set_ipc_handle(testing::Handle(6));
-  v1::RegisterRegionReply reg;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(stub_->RegisterRegion(&ctx, rr, &reg).ok());
-  }
+  v1::RegisterRegionReply reg = Register(b, 6);
   device_.hold_writes = true;  // the GPU is behind
   std::atomic_ref<uint64_t>(b.lane(0)->inputs_ready).store(1);
   ASSERT_TRUE(Call(b, 0, 1, reg.region_id()).ok());
@@ -428,6 +435,194 @@ TEST_F(DaemonServiceTest, StickyErrorFailsEverySessionAndRequestsExit) {
   munmap(b.memory, b.bytes);
   close(a.channel_fd);
   close(b.channel_fd);
+}
+
+// Publishing a session's tensors (the fake block records which addresses
+// the copy read: tests/fake_daemon/fakes.h), then attaching them over the
+// session channel: one read-only region for the set's block, its descriptor
+// mapping the very bytes the store holds.
+TEST_F(DaemonServiceTest, PublishedTensorsAreAttachedAsOneReadOnlyBlockThroughTheChannel) {
+  StartDaemon(/*with_gpu=*/true, 2000, /*max_store_bytes=*/1 << 20);
+  Bound b = OpenAndBind(1);
+  v1::RegisterRegionReply reg = Register(b, 9);
+  MappedRegion client;  // where the daemon mapped the "client allocation"
+  {
+    std::shared_ptr<Session> s;
+    ASSERT_TRUE(daemon_->sessions().Authorize(b.id, b.token, true, &s).ok());
+    ASSERT_TRUE(s->regions().Resolve(reg.region_id(), &client).ok());
+  }
+  auto publish = [&](std::vector<std::tuple<std::string, uint64_t, std::vector<int64_t>>> tensors,
+                     v1::PublishReply* reply) {
+    v1::PublishTensorsRequest req;
+    req.set_session_id(b.id);
+    req.set_token(b.token);
+    for (const auto& [name, offset, sizes] : tensors) {
+      v1::NamedTensor* t = req.add_tensors();
+      t->set_name(name);
+      v1::TensorRef* v = t->mutable_tensor();
+      v->set_region_id(reg.region_id());
+      v->set_byte_offset(offset);
+      int64_t stride = 1;
+      std::vector<int64_t> strides(sizes.size());
+      for (size_t i = sizes.size(); i-- > 0;) {
+        strides[i] = stride;
+        stride *= sizes[i];
+      }
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        v->add_sizes(sizes[i]);
+        v->add_strides(strides[i]);
+      }
+      v->set_dtype(v1::DTYPE_FLOAT32);
+    }
+    grpc::ClientContext ctx;
+    return stub_->PublishTensors(&ctx, req, reply);
+  };
+  v1::PublishReply published;
+  grpc::Status st = publish({{"m/w", 4096, {8, 4}}, {"m/b", 64, {4}}, {"m/e", 0, {0, 4}}}, &published);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(published.entries_size(), 3);
+  EXPECT_EQ(published.entries(0).set_id(), published.entries(1).set_id());
+  EXPECT_EQ(published.entries(0).block_bytes(), 256u + 16u);
+  EXPECT_EQ(published.store_bytes(), 256u + 16u);
+
+  // Bad views name the tensor and the value; nothing is published.
+  v1::PublishReply none;
+  st = publish({{"bad/x", (1u << 20) - 8, {4}}}, &none);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("publish 'bad/x': bytes [1048568, +16)"), std::string::npos) << st.error_message();
+  v1::PublishTensorsRequest strided;
+  strided.set_session_id(b.id);
+  strided.set_token(b.token);
+  v1::TensorRef* v = strided.add_tensors()->mutable_tensor();
+  strided.mutable_tensors(0)->set_name("bad/t");
+  v->set_region_id(reg.region_id());
+  v->add_sizes(4);
+  v->add_sizes(2);
+  v->add_strides(1);
+  v->add_strides(4);  // a transposed view
+  v->set_dtype(v1::DTYPE_FLOAT32);
+  {
+    grpc::ClientContext ctx;
+    st = stub_->PublishTensors(&ctx, strided, &none);
+  }
+  EXPECT_NE(st.error_message().find("must be contiguous, but dim 1 has stride 4 where 1 is needed"), std::string::npos)
+      << st.error_message();
+  st = publish({{"bad name", 0, {4}}}, &none);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("store name 'bad name': byte 3"), std::string::npos) << st.error_message();
+  {
+    std::shared_ptr<Session> s;
+    ASSERT_TRUE(daemon_->sessions().Authorize(b.id, b.token, true, &s).ok());
+    bool deferred = false;
+    ASSERT_TRUE(s->regions().Unregister(reg.region_id(), &deferred).ok());
+  }
+  st = publish({{"bad/r", 0, {4}}}, &none);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(st.error_message().find("publish 'bad/r': region"), std::string::npos) << st.error_message();
+
+  // Attach: the set's block, read-only, its descriptor mapping the stored bytes.
+  auto attach = [&](const std::string& name, client::StoreAttachment* out) {
+    client::UniqueFd fd;
+    Status c = client::ConnectSessionChannel(dir_.File("d.session.sock"), &fd);
+    if (!c.ok()) return c;
+    return client::AttachStoreEntry(fd.get(), b.id, b.token, name, 3000, out);
+  };
+  client::StoreAttachment w, bias;
+  ASSERT_TRUE(attach("m/w", &w).ok());
+  ASSERT_TRUE(attach("m/b", &bias).ok());
+  EXPECT_EQ(w.reply.region_id, bias.reply.region_id);  // one region for the block
+  EXPECT_EQ(w.reply.block_id, bias.reply.block_id);
+  EXPECT_EQ(w.reply.daemon_instance, daemon_->instance());
+  EXPECT_EQ(w.reply.offset, 0u);
+  EXPECT_EQ(bias.reply.offset, 256u);
+  EXPECT_EQ(w.reply.bytes, 128u);
+  EXPECT_EQ(w.reply.dtype, static_cast<uint32_t>(DType::kFloat32));
+  EXPECT_EQ(w.reply.ndim, 2u);
+  EXPECT_EQ(w.reply.shape[0], 8);
+  EXPECT_EQ(w.reply.shape[1], 4);
+  ASSERT_TRUE(w.fd.valid());
+  void* mapped = mmap(nullptr, w.reply.block_bytes, PROT_READ, MAP_SHARED, w.fd.get(), 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  uint64_t first = 0, bias_first = 0;
+  std::memcpy(&first, mapped, 8);
+  std::memcpy(&bias_first, static_cast<char*>(mapped) + 256, 8);
+  EXPECT_EQ(first, reinterpret_cast<uint64_t>(client.base) + 4096);  // copied from region + byte_offset
+  EXPECT_EQ(bias_first, reinterpret_cast<uint64_t>(client.base) + 64);
+  munmap(mapped, w.reply.block_bytes);
+  {
+    std::shared_ptr<Session> s;
+    ASSERT_TRUE(daemon_->sessions().Authorize(b.id, b.token, true, &s).ok());
+    MappedRegion m;
+    ASSERT_TRUE(s->regions().Resolve(w.reply.region_id, &m).ok());
+    EXPECT_TRUE(m.read_only);
+    EXPECT_EQ(m.size, w.reply.block_bytes);
+  }
+  client::StoreAttachment empty;
+  ASSERT_TRUE(attach("m/e", &empty).ok());
+  EXPECT_EQ(empty.reply.region_id, kNoRegion);
+  EXPECT_FALSE(empty.fd.valid());
+  EXPECT_EQ(empty.reply.shape[0], 0);
+
+  // The store lists the attachment; deleting waits for it.
+  v1::ListStoreReply listed;
+  {
+    grpc::ClientContext ctx;
+    v1::ListStoreRequest lr;
+    ASSERT_TRUE(stub_->ListStore(&ctx, lr, &listed).ok());
+  }
+  ASSERT_EQ(listed.entries_size(), 3);
+  EXPECT_EQ(listed.entries(2).name(), "m/w");  // by name
+  for (const auto& e : listed.entries()) {
+    EXPECT_EQ(e.refs(), 1) << e.name();  // the set's block is attached to this session
+    EXPECT_EQ(e.set_id(), published.entries(0).set_id());
+  }
+  EXPECT_EQ(listed.entries(2).offset(), 0u);
+  EXPECT_EQ(listed.entries(0).offset(), 256u);
+  v1::DeleteStoreRequest del;
+  del.set_session_id(b.id);
+  del.set_token(b.token);
+  for (const char* name : {"m/w", "m/b", "m/e"}) {
+    del.set_name(name);
+    v1::DeleteStoreReply dr;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->DeleteStore(&ctx, del, &dr).ok());
+  }
+  EXPECT_EQ(store_.live, 1);  // the session's region holds the block
+
+  // Refusals: an unknown (deleted) name, a wrong token, a malformed request.
+  client::StoreAttachment refused;
+  Status a = attach("m/w", &refused);
+  EXPECT_EQ(a.reason(), Reason::kStoreUnknown);
+  EXPECT_NE(a.message().find("store entry 'm/w' does not exist"), std::string::npos) << a.message();
+  std::string wrong = b.token;
+  wrong[0] ^= 1;
+  {
+    client::UniqueFd fd;
+    ASSERT_TRUE(client::ConnectSessionChannel(dir_.File("d.session.sock"), &fd).ok());
+    a = client::AttachStoreEntry(fd.get(), b.id, wrong, "m/b", 3000, &refused);
+    EXPECT_EQ(a.reason(), Reason::kBadToken);
+  }
+  {
+    client::UniqueFd fd;
+    ASSERT_TRUE(client::ConnectSessionChannel(dir_.File("d.session.sock"), &fd).ok());
+    v1::StoreAttachRequest req{};
+    req.magic = v1::kStoreAttachMagic;
+    req.protocol_version = v1::kProtocolVersion;
+    req.session_id = b.id;
+    std::memcpy(req.token, b.token.data(), v1::kTokenBytes);
+    req.name_bytes = v1::kMaxStoreNameBytes + 1;
+    ASSERT_EQ(send(fd.get(), &req, sizeof(req), 0), static_cast<ssize_t>(sizeof(req)));
+    v1::StoreAttachReply rep{};
+    ASSERT_EQ(recv(fd.get(), &rep, sizeof(rep), 0), static_cast<ssize_t>(sizeof(rep)));
+    EXPECT_EQ(rep.reason, static_cast<uint32_t>(Reason::kMalformed));
+    EXPECT_NE(std::string(rep.message).find("a name of 513 bytes"), std::string::npos) << rep.message;
+  }
+
+  // The session ends: its region goes, and with it the deleted block.
+  close(b.channel_fd);
+  for (int i = 0; i < 300 && store_.live.load() > 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(store_.live, 0);
+  munmap(b.memory, b.bytes);
 }
 
 }  // namespace

@@ -224,5 +224,90 @@ TEST_F(RegionRegistryTest, DestructorClosesEverything) {
   EXPECT_EQ(opener_.open_count(), 0);
 }
 
+// A keep-alive whose release the test can see.
+std::shared_ptr<const void> Tracked(int* alive) {
+  ++*alive;
+  return std::shared_ptr<const void>(new int(0), [alive](const void* p) {
+    --*alive;
+    delete static_cast<const int*>(p);
+  });
+}
+
+TEST_F(RegionRegistryTest, ASharedRegionIsReadOnlyOpensNothingAndHoldsItsKeepAlivesUntilReleased) {
+  auto reg = Make({});
+  int alive = 0;
+  char block[4096];
+  RegionRegistry::Registered a, b;
+  {
+    auto first = Tracked(&alive), second = Tracked(&alive);
+    ASSERT_TRUE(reg->RegisterShared("store-block:7", block, sizeof(block), {first}, &a).ok());
+    ASSERT_TRUE(reg->RegisterShared("store-block:7", block, sizeof(block), {first}, &b).ok());  // held once
+    ASSERT_TRUE(reg->RegisterShared("store-block:7", block, sizeof(block), {first, second}, &b).ok());
+  }
+  EXPECT_EQ(b.region_id, a.region_id);
+  EXPECT_TRUE(b.reused);
+  EXPECT_EQ(alive, 2);
+  EXPECT_EQ(opener_.opens, 0);
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 5, &m).ok());
+  EXPECT_TRUE(m.read_only);
+  EXPECT_EQ(m.base, block);
+  EXPECT_EQ(m.size, sizeof(block));
+  EXPECT_EQ(reg->counts().regions, 1u);
+  EXPECT_EQ(reg->counts().mapped_bytes, 0u);  // the daemon mapped nothing for it
+  // Released by the lanes' rule, like any region: then the keep-alives go.
+  bool deferred = false;
+  ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+  EXPECT_TRUE(deferred);
+  EXPECT_EQ(reg->ReleaseCompleted(), 1u);
+  EXPECT_EQ(alive, 2);
+  completed_[0] = 5;
+  EXPECT_EQ(reg->ReleaseCompleted(), 0u);
+  EXPECT_EQ(alive, 0);
+  EXPECT_EQ(opener_.closes, 0);
+  EXPECT_EQ(reg->RegisterShared(std::string(kIpcHandleBytes, 's'), block, 1, {Tracked(&alive)}, &a).code(),
+            StatusCode::kInternal);  // a key never looks like a handle
+}
+
+TEST_F(RegionRegistryTest, SharedRegionsCountAgainstTheRegionLimitAndAreEvictedWhenIdle) {
+  auto reg = Make(RegionLimits{2, 1u << 20});
+  int alive = 0;
+  char block[64];
+  RegionRegistry::Registered a, b, c;
+  ASSERT_TRUE(reg->Register(Handle(90), 0, &a).ok());
+  ASSERT_TRUE(reg->RegisterShared("store-block:1", block, sizeof(block), {Tracked(&alive)}, &b).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 1, &m).ok());  // a is busy
+  ASSERT_TRUE(reg->RegisterShared("store-block:2", block, sizeof(block), {Tracked(&alive)}, &c).ok());
+  EXPECT_EQ(alive, 1);  // the idle shared region made room
+  EXPECT_EQ(reg->Resolve(b.region_id, &m).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(reg->ResolveForCall(c.region_id, 1, 1, &m).ok());
+  Status s = reg->RegisterShared("store-block:3", block, sizeof(block), {Tracked(&alive)}, &b);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--max-regions 2"), std::string::npos) << s.message();
+  EXPECT_EQ(alive, 1);  // the refused keep-alive is not kept
+}
+
+TEST_F(RegionRegistryTest, APinnedRegionIsReleasedOnlyAfterItsPinGoes) {
+  auto reg = Make({});
+  RegionRegistry::Registered a;
+  ASSERT_TRUE(reg->Register(Handle(91), 0, &a).ok());
+  MappedRegion m;
+  {
+    RegionRegistry::Pin pin;
+    ASSERT_TRUE(reg->PinForCopy(a.region_id, &m, &pin).ok());
+    EXPECT_NE(m.base, nullptr);
+    bool deferred = false;
+    ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+    EXPECT_TRUE(deferred);  // no lane used it, but it is pinned
+    EXPECT_EQ(reg->ReleaseCompleted(), 1u);
+    EXPECT_EQ(opener_.closes, 0);
+    RegionRegistry::Pin other;
+    EXPECT_EQ(reg->PinForCopy(a.region_id, &m, &other).code(), StatusCode::kNotFound);  // unregistered
+  }
+  EXPECT_EQ(reg->ReleaseCompleted(), 0u);
+  EXPECT_EQ(opener_.closes, 1);
+}
+
 }  // namespace
 }  // namespace cache_dit_opd

@@ -1,5 +1,6 @@
-// server/store/weight_store.h on host memory: names, atomic sets, access,
-// the byte limit, deferred deletion, failures that leave nothing behind.
+// server/store/weight_store.h on host memory: names, atomic sets in one
+// block each, access, the byte limit, deferred deletion, failures that leave
+// nothing behind.
 #include "server/store/weight_store.h"
 
 #include "tests/fake_daemon/fakes.h"
@@ -32,7 +33,7 @@ StoreTensorSpec Spec(std::string name, std::vector<int64_t> shape, DType dtype =
 // Fills entry i with bytes i+1.
 Status FillIndex(size_t i, const StoreEntry& e) {
   std::vector<std::byte> bytes(e.bytes, static_cast<std::byte>(i + 1));
-  return e.block->Write(0, bytes);
+  return e.Write(0, bytes);
 }
 
 const PeerCred kAlice = Peer(1001), kBob = Peer(1002), kRoot = Peer(0, 0);
@@ -51,15 +52,23 @@ TEST(WeightStoreTest, PublishedSetsAreReadableWithTheirBytesAndListedByPrefix) {
   EXPECT_EQ(published[1].bytes, 32u);
   EXPECT_EQ(published[2].shape, (std::vector<int64_t>{0, 3}));
   EXPECT_EQ(published[0].owner, 1001u);
-  EXPECT_EQ(store.used_bytes(), 32u + 32u);
-  EXPECT_EQ(alloc.live, 2);  // the empty tensor has no block
+  // One block for the set: the second tensor at the next 256-byte boundary.
+  EXPECT_EQ(store.used_bytes(), kStoreAlignment + 32u);
+  EXPECT_EQ(alloc.live, 1);
+  EXPECT_EQ(published[0].block_bytes, kStoreAlignment + 32u);
+  EXPECT_EQ(published[2].block_bytes, 0u);  // the empty tensor has no memory
   StoreRef q;
   ASSERT_TRUE(store.Lookup(kAlice, "flux/blocks.0.ff.wscales", &q).ok());
   EXPECT_EQ(q->dtype, DType::kBFloat16);
   EXPECT_EQ(q->shape, (std::vector<int64_t>{2, 8}));
   EXPECT_EQ(q->bytes, 32u);
   EXPECT_EQ(q->owner, 1001u);
-  EXPECT_EQ(reinterpret_cast<const char*>(q->block->address())[31], 2);
+  EXPECT_EQ(q->offset, kStoreAlignment);
+  EXPECT_EQ(reinterpret_cast<const char*>(q->address())[31], 2);
+  EXPECT_EQ(reinterpret_cast<const char*>(q->block->address())[0], 1);  // the first tensor, same block
+  // Writes stay inside their entry.
+  std::vector<std::byte> two(2);
+  EXPECT_EQ(q->Write(31, two).code(), StatusCode::kInternal);
   StoreRef e;
   ASSERT_TRUE(store.Lookup(kAlice, "flux/empty", &e).ok());
   EXPECT_EQ(e->block, nullptr);
@@ -151,7 +160,7 @@ TEST(WeightStoreTest, DeletionIsDeferredWhileAReferenceLivesAndTheBytesCountUnti
   StoreRef again;
   EXPECT_EQ(store->Lookup(kAlice, "w", &again).code(), StatusCode::kNotFound);  // gone for new lookups
   EXPECT_EQ(alloc.live, 1);                                                      // but not freed
-  EXPECT_EQ(reinterpret_cast<const char*>(held->block->address())[63], 1);
+  EXPECT_EQ(reinterpret_cast<const char*>(held->address())[63], 1);
   EXPECT_EQ(store->used_bytes(), 64u);
   // Its bytes still count: 64 + 40 > 100.
   EXPECT_EQ(store->Publish(kAlice, {Spec("w", {10})}, {}, FillIndex).reason(), Reason::kResourceExhausted);
@@ -168,13 +177,46 @@ TEST(WeightStoreTest, DeletionIsDeferredWhileAReferenceLivesAndTheBytesCountUnti
   EXPECT_EQ(alloc.live, 0);
 }
 
+TEST(WeightStoreTest, ASetsBlockGoesWhenItsLastEntryIsDeletedAndUnreferenced) {
+  HostAllocator alloc;
+  WeightStore store(&alloc, 1 << 20, std::nullopt);
+  ASSERT_TRUE(store.Publish(kAlice, {Spec("m/a", {4}), Spec("m/b", {4})}, {}, FillIndex).ok());
+  StoreRef b;
+  ASSERT_TRUE(store.Lookup(kAlice, "m/b", &b).ok());
+  ASSERT_TRUE(store.Delete(kAlice, "m/a").ok());
+  EXPECT_EQ(alloc.live, 1);  // m/b still lives in the block
+  EXPECT_EQ(store.used_bytes(), 272u);
+  ASSERT_TRUE(store.Delete(kAlice, "m/b").ok());
+  EXPECT_EQ(alloc.live, 1);  // deleted, but referenced
+  EXPECT_EQ(reinterpret_cast<const char*>(b->address())[15], 2);
+  b.reset();
+  EXPECT_EQ(alloc.live, 0);
+  EXPECT_EQ(store.used_bytes(), 0u);
+}
+
+TEST(WeightStoreTest, TheLimitCountsWhatTheBlockTakesFromTheDevice) {
+  HostAllocator alloc;
+  alloc.granularity = 4096;  // as the GPU's 2 MiB pages, smaller
+  WeightStore store(&alloc, 3 * 4096, std::nullopt);
+  std::vector<StoreEntryInfo> published;
+  ASSERT_TRUE(store.Publish(kAlice, {Spec("a", {1})}, {}, FillIndex, &published).ok());
+  EXPECT_EQ(store.used_bytes(), 4096u);
+  EXPECT_EQ(published[0].block_bytes, 4096u);
+  ASSERT_TRUE(store.Publish(kAlice, {Spec("b", {1025})}, {}, FillIndex).ok());  // 4100 bytes: two pages
+  Status s = store.Publish(kAlice, {Spec("c", {1})}, {}, FillIndex);
+  EXPECT_EQ(s.reason(), Reason::kResourceExhausted);
+  EXPECT_NE(s.message().find("4096 bytes do not fit the store: 12288 of --max-store-bytes 12288"), std::string::npos)
+      << s.message();
+}
+
 TEST(WeightStoreTest, OverTheLimitIsResourceExhaustedNamingTheBytes) {
   HostAllocator alloc;
   WeightStore store(&alloc, 100, std::nullopt);
   ASSERT_TRUE(store.Publish(kAlice, {Spec("a", {20})}, {}, FillIndex).ok());  // 80 bytes
-  Status s = store.Publish(kAlice, {Spec("b", {4}), Spec("c", {2})}, {}, FillIndex);  // 24 more
+  // 16 bytes, then 8 at the next 256-byte boundary: a block of 264.
+  Status s = store.Publish(kAlice, {Spec("b", {4}), Spec("c", {2})}, {}, FillIndex);
   EXPECT_EQ(s.reason(), Reason::kResourceExhausted);
-  EXPECT_NE(s.message().find("24 bytes do not fit the store: 80 of --max-store-bytes 100 are in use"), std::string::npos)
+  EXPECT_NE(s.message().find("264 bytes do not fit the store: 80 of --max-store-bytes 100 are in use"), std::string::npos)
       << s.message();
   EXPECT_TRUE(store.Publish(kAlice, {Spec("b", {5})}, {}, FillIndex).ok());  // exactly full
   EXPECT_EQ(store.used_bytes(), 100u);
@@ -186,10 +228,10 @@ TEST(WeightStoreTest, OverTheLimitIsResourceExhaustedNamingTheBytes) {
 TEST(WeightStoreTest, AFailedAllocationOrFillLeavesNothingBehind) {
   HostAllocator alloc;
   WeightStore store(&alloc, 1 << 20, std::nullopt);
-  alloc.fail_after = 1;  // the second block fails
+  alloc.fail_after = 0;  // the set's block fails
   Status s = store.Publish(kAlice, {Spec("a", {4}), Spec("b", {4})}, {}, FillIndex);
   EXPECT_EQ(s.reason(), Reason::kResourceExhausted);
-  EXPECT_NE(s.message().find("publish 'b' (16 bytes): device memory full"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("publish of 2 tensors (272 bytes): device memory full"), std::string::npos) << s.message();
   EXPECT_EQ(alloc.live, 0);
   EXPECT_EQ(store.used_bytes(), 0u);
   alloc.fail_after = -1;
