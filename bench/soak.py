@@ -280,9 +280,7 @@ def worker(idx: int, directory: Path, seed: int, bad_rate: float, check_every: i
     from cache_dit_opd import kernels
 
     torch.set_num_threads(1)  # 16 workers on the host's cores: torch's default (one thread per core) each thrashes
-    torch.cuda.set_device(0)
     rng = random.Random(seed)
-    cases = Cases(torch, kernels, seed)
     pid = os.getpid()
     stats_path = directory / f"w{idx}.{pid}.json"
     events = open(directory / f"w{idx}.{pid}.events.jsonl", "a", buffering=1)
@@ -295,6 +293,22 @@ def worker(idx: int, directory: Path, seed: int, bad_rate: float, check_every: i
         c["errors"][kind] = c["errors"].get(kind, 0) + 1
         events.write(json.dumps({"t": time.time(), "kind": kind, "op": op,
                                  "error": f"{type(err).__name__}: {str(err)[:300]}" if err else None, **extra}) + "\n")
+
+    # A worker started while the GPU is full (the memory fill) cannot make its CUDA context or its inputs: that
+    # is the fill's client_oom, and it tries again (the 10-minute run of 2026-12-04 counted 4 such exits as
+    # findings). Past a minute it gives up: the fill holds the memory for seconds.
+    give_up = time.time() + 60
+    while True:
+        try:
+            torch.cuda.set_device(0)
+            cases = Cases(torch, kernels, seed)
+            break
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if "out of memory" not in str(e).lower() or time.time() > give_up:
+                raise
+            event(CLIENT_OOM, "start", e)
+            write_json(stats_path, c)
+            time.sleep(0.2)
 
     end = time.time() + seconds if seconds else float("inf")
     while time.time() < end:

@@ -230,6 +230,8 @@ class RegionTable:
             r = self._by_base.get(block.base)
             if r is not None and r.fixed and (region_id is None or r.region_id == region_id):
                 return r
+            if r is not None:  # a freed allocation that had this address, or another region id of the block
+                self._drop(r)
             if self._attach is None and region_id is None:
                 raise RegionExportError(f"cache_dit_opd: weight-store block of '{block.name}' cannot be registered "
                                         f"in this session (no attach)")
