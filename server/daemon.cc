@@ -28,6 +28,15 @@ uint64_t RandomInstance() {
 // A weight-store block's key among a session's regions (never an IPC
 // handle's 64 bytes).
 std::string StoreRegionKey(uint64_t publish_id) { return "store-block:" + std::to_string(publish_id); }
+
+// A client's run of virtual-memory chunks among its session's regions: its
+// first byte in the client and each chunk's buffer id (a chunk mapped again
+// by the client is another chunk, with another id).
+std::string ChunkRunKey(const v1::VmmRegionRequest& req) {
+  std::string key = "chunks:" + std::to_string(req.client_base);
+  for (uint32_t i = 0; i < req.chunk_count; ++i) key += ":" + std::to_string(req.chunk_ids[i]);
+  return key;
+}
 }  // namespace
 
 Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> catalog,
@@ -99,6 +108,47 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
       (void)SendAttachReply(reply_fd, Status::Rejected(Reason::kDraining, "the daemon is shutting down"), {}, -1);
       close(reply_fd);
     }
+  });
+  // The chunks are mapped here, on the channel thread, while their
+  // descriptors are open; registering (which may release other regions, and
+  // so synchronize the device) on the reaper.
+  channel_->SetRegionHandler([this](std::shared_ptr<Session> s, const v1::VmmRegionRequest& req,
+                                    std::span<const int> fds, int reply_fd) {
+    auto answer = [s, reply_fd](const Status& st, uint64_t region_id, uint64_t bytes) {
+      if (!st.ok()) {
+        static LogThrottle refused(10, std::chrono::seconds(10));  // a peer asks at will
+        if (const auto v = refused.Next(); v.log) {
+          spdlog::warn("session {}: region of client chunks refused: {}{}", s->id(), st.ToString(),
+                       SuppressedNote(v.suppressed));
+        }
+      }
+      (void)SendRegionReply(reply_fd, st, region_id, bytes);  // best effort: the peer may be gone
+      close(reply_fd);
+    };
+    std::string key = ChunkRunKey(req);
+    uint64_t region_id = 0;
+    if (s->regions().FindLent(key, &region_id)) {
+      MappedRegion m;
+      if (s->regions().Resolve(region_id, &m).ok()) return answer(Status::Ok(), region_id, m.size);
+    }
+    Status st;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      st = NotServingLocked();
+    }
+    void* base = nullptr;
+    uint64_t size = 0;
+    if (st.ok()) st = deps_.opener->OpenChunks(fds, std::span<const uint64_t>(req.chunk_bytes, req.chunk_count), &base, &size);
+    if (!st.ok()) return answer(st, 0, 0);
+    RegionOpener* opener = deps_.opener;
+    std::shared_ptr<const void> mapping(base, [opener](const void* p) { opener->CloseChunks(const_cast<void*>(p)); });
+    auto task = [s, key = std::move(key), base, size, mapping = std::move(mapping), answer]() mutable {
+      RegionRegistry::Registered r;
+      Status rs = s->regions().RegisterLent(key, base, size, RegionRegistry::Lent{.read_only = false, .counts_bytes = true},
+                                            {std::move(mapping)}, &r);
+      answer(rs, r.region_id, size);
+    };
+    if (!reaper_->Post(std::move(task))) answer(Status::Rejected(Reason::kDraining, "the daemon is shutting down"), 0, 0);
   });
 }
 
@@ -389,8 +439,9 @@ Status Daemon::AttachStore(Session& s, std::string_view name, v1::StoreAttachRep
   for (server::StoreRef& e : store->SetEntries(s.peer(), ref->publish_id)) held.push_back(std::move(e));
   RegionRegistry::Registered r;
   void* base = reinterpret_cast<void*>(ref->block->address());
-  OPD_RETURN_IF_ERROR(s.regions().RegisterShared(StoreRegionKey(ref->publish_id), base, ref->block->bytes(),
-                                                 std::move(held), &r));
+  OPD_RETURN_IF_ERROR(s.regions().RegisterLent(StoreRegionKey(ref->publish_id), base, ref->block->bytes(),
+                                               RegionRegistry::Lent{.read_only = true, .counts_bytes = false},
+                                               std::move(held), &r));
   reply->region_id = r.region_id;
   return ref->block->ExportFd(fd);
 }

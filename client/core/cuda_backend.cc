@@ -139,6 +139,18 @@ Status CudaAllocationBackend::Lookup(const void* ptr, AllocationInfo* info) {
   return Status::Ok();
 }
 
+Status CudaAllocationBackend::ChunkId(const void* ptr, uint64_t* buffer_id) {
+  CUpointer_attribute attr = CU_POINTER_ATTRIBUTE_BUFFER_ID;
+  unsigned long long id = 0;
+  void* data[] = {&id};
+  const auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  if (CUresult r = api_->pointer_get_attributes(1, &attr, data, p); r != CUDA_SUCCESS) {
+    return Status::InvalidArgument("cuPointerGetAttributes(", Hex(p), ", BUFFER_ID): ", cuda::DriverErrorString(r));
+  }
+  *buffer_id = id;
+  return Status::Ok();
+}
+
 Status CudaAllocationBackend::Export(const AllocationInfo& alloc, std::array<uint8_t, 64>* handle) {
   CUdeviceptr base = 0;
   size_t size = 0;

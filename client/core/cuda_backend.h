@@ -57,6 +57,7 @@ class CudaAllocationBackend final : public AllocationBackend {
   explicit CudaAllocationBackend(const cuda::DriverApi* api) : api_(api) {}
   Status Lookup(const void* ptr, AllocationInfo* info) override;
   Status Export(const AllocationInfo& alloc, std::array<uint8_t, 64>* handle) override;
+  Status ChunkId(const void* ptr, uint64_t* buffer_id) override;
 
  private:
   const cuda::DriverApi* api_;

@@ -168,6 +168,7 @@ bool RegionCache::Find(const void* ptr, uint64_t nbytes, ResolvedRegion* out) {
       }
     }
   }
+  if (FindInRun(p, nbytes, out)) return true;
   AllocationInfo a;
   if (!backend_->Lookup(ptr, &a).ok() || a.device != device_) return false;
   // Lookup guarantees base <= p < base + size; the view must end inside too.
@@ -187,6 +188,40 @@ void RegionCache::Add(const AllocationInfo& alloc, uint64_t region_id) {
   by_base_[alloc.base] = ResolvedRegion{alloc, region_id};
 }
 
+bool RegionCache::FindInRun(uint64_t p, uint64_t nbytes, ResolvedRegion* out) {
+  std::vector<Chunk> touched;
+  ResolvedRegion found;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = runs_.upper_bound(p);
+    if (it == runs_.begin()) return false;
+    const Run& run = (--it)->second;
+    const uint64_t base = run.region.alloc.base, size = run.region.alloc.size;
+    if (p - base >= size || nbytes > size - (p - base)) return false;
+    const uint64_t last = p + (nbytes == 0 ? 0 : nbytes - 1);
+    for (const Chunk& c : run.chunks) {
+      if (c.base + c.size > p && c.base <= last) touched.push_back(c);
+    }
+    found = run.region;
+  }
+  // The driver is asked outside the lock.
+  for (const Chunk& c : touched) {
+    uint64_t id = 0;
+    if (!backend_->ChunkId(reinterpret_cast<const void*>(c.base), &id).ok() || id != c.buffer_id) return false;
+  }
+  *out = found;
+  return true;
+}
+
+void RegionCache::AddRun(std::vector<Chunk> chunks, uint64_t region_id) {
+  if (chunks.empty()) return;
+  uint64_t size = 0;
+  for (const Chunk& c : chunks) size += c.size;
+  const uint64_t base = chunks.front().base;
+  std::lock_guard<std::mutex> lock(mu_);
+  runs_[base] = Run{ResolvedRegion{AllocationInfo{base, size, 0, device_}, region_id}, std::move(chunks)};
+}
+
 void RegionCache::AddFixed(uint64_t base, uint64_t size, uint64_t region_id) {
   std::lock_guard<std::mutex> lock(mu_);
   fixed_[base] = ResolvedRegion{AllocationInfo{base, size, 0, device_}, region_id};
@@ -194,17 +229,16 @@ void RegionCache::AddFixed(uint64_t base, uint64_t size, uint64_t region_id) {
 
 void RegionCache::ForgetIds(const std::vector<uint64_t>& region_ids) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto* table : {&by_base_, &fixed_}) {
-    std::erase_if(*table, [&](const auto& kv) {
-      return std::find(region_ids.begin(), region_ids.end(), kv.second.region_id) != region_ids.end();
-    });
-  }
+  auto named = [&](uint64_t id) { return std::find(region_ids.begin(), region_ids.end(), id) != region_ids.end(); };
+  for (auto* table : {&by_base_, &fixed_}) std::erase_if(*table, [&](const auto& kv) { return named(kv.second.region_id); });
+  std::erase_if(runs_, [&](const auto& kv) { return named(kv.second.region.region_id); });
 }
 
 void RegionCache::Drop(uint64_t base) {
   std::lock_guard<std::mutex> lock(mu_);
   by_base_.erase(base);
   fixed_.erase(base);
+  runs_.erase(base);
 }
 
 Status RegionCache::Prune(size_t* removed) {
@@ -232,11 +266,12 @@ void RegionCache::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   by_base_.clear();
   fixed_.clear();
+  runs_.clear();
 }
 
 size_t RegionCache::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return by_base_.size() + fixed_.size();
+  return by_base_.size() + fixed_.size() + runs_.size();
 }
 
 }  // namespace cache_dit_opd::client

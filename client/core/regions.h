@@ -98,6 +98,17 @@ class AllocationBackend {
   // Export: the 64-byte legacy IPC handle of the allocation at `alloc.base`
   // (cuMemGetAddressRange confirms the base and size first).
   virtual Status Export(const AllocationInfo& alloc, std::array<uint8_t, 64>* handle) = 0;
+  // ChunkId: the buffer id of the virtual-memory chunk (or allocation)
+  // holding `ptr` (CU_POINTER_ATTRIBUTE_BUFFER_ID; one driver query): what
+  // tells a chunk unmapped and mapped again from the one registered.
+  virtual Status ChunkId(const void* ptr, uint64_t* buffer_id) = 0;
+};
+
+// One chunk of a run of client virtual memory registered as one region.
+struct Chunk {
+  uint64_t base = 0;
+  uint64_t size = 0;
+  uint64_t buffer_id = 0;
 };
 
 // RegionRegistrar
@@ -141,7 +152,7 @@ class RegionCache {
   // Without registering anything: the region holding [ptr, ptr + nbytes)
   // when its allocation is cached as it is now (same base, size and buffer
   // id; a freed and re-made allocation has a new buffer id). One driver
-  // query, none for a fixed range.
+  // query, none for a fixed range, one per chunk touched in a run.
   bool Find(const void* ptr, uint64_t nbytes, ResolvedRegion* out);
 
   // RegionCache::Add / Drop
@@ -158,6 +169,14 @@ class RegionCache {
   // Its address range cannot be reused while it stays mapped, so no buffer
   // id is needed to tell it apart.
   void AddFixed(uint64_t base, uint64_t size, uint64_t region_id);
+
+  // RegionCache::AddRun
+  //
+  // A run of consecutive virtual-memory chunks the owner registered as one
+  // region (PyTorch's expandable segments): Find takes a view inside it when
+  // every chunk the view touches still has its buffer id (one driver query
+  // per chunk touched), so a chunk unmapped and mapped again is a miss.
+  void AddRun(std::vector<Chunk> chunks, uint64_t region_id);
   // Drops the entries of these region ids (the daemon no longer knows them),
   // without telling the daemon.
   void ForgetIds(const std::vector<uint64_t>& region_ids);
@@ -182,12 +201,20 @@ class RegionCache {
   size_t size() const;
 
  private:
+  // Find's run lookup (no lock held while it asks the driver).
+  bool FindInRun(uint64_t p, uint64_t nbytes, ResolvedRegion* out);
+
   AllocationBackend* backend_;
   RegionRegistrar* registrar_;
   int device_;
   mutable std::mutex mu_;
   std::map<uint64_t, ResolvedRegion> by_base_;  // guarded by mu_
   std::map<uint64_t, ResolvedRegion> fixed_;    // AddFixed; guarded by mu_
+  struct Run {
+    ResolvedRegion region;
+    std::vector<Chunk> chunks;
+  };
+  std::map<uint64_t, Run> runs_;                // AddRun, by base; guarded by mu_
 };
 
 }  // namespace cache_dit_opd::client

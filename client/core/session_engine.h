@@ -172,6 +172,9 @@ class SessionEngine : public std::enable_shared_from_this<SessionEngine> {
   // The caller mapped [base, base + size) itself (an attached weight-store
   // block) and keeps it mapped until ForgetRegion(base): RegionCache::AddFixed.
   void AddFixedRegion(uint64_t base, uint64_t size, uint64_t region_id) { regions_->AddFixed(base, size, region_id); }
+  // The caller registered a run of virtual-memory chunks as one region
+  // (RegionCache::AddRun).
+  void AddRunRegion(std::vector<Chunk> chunks, uint64_t region_id) { regions_->AddRun(std::move(chunks), region_id); }
   void ForgetRegion(uint64_t base);
   RegionCache& regions() { return *regions_; }
 

@@ -231,6 +231,19 @@ __attribute__((visibility("default"))) int opd_native_add_fixed_region(int64_t h
   }, -1);
 }
 
+// `chunks`: `count` triples (base, size, buffer id), in address order.
+__attribute__((visibility("default"))) int opd_native_add_run_region(int64_t h, const uint64_t* chunks, uint32_t count,
+                                                                   uint64_t region_id) {
+  return NoThrow([&] {
+    auto s = Find(h);
+    if (!s || count == 0) return -1;
+    std::vector<Chunk> run(count);
+    for (uint32_t i = 0; i < count; ++i) run[i] = {chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]};
+    s->engine().AddRunRegion(std::move(run), region_id);
+    return 0;
+  }, -1);
+}
+
 __attribute__((visibility("default"))) int opd_native_forget_region(int64_t h, uint64_t base) {
   return NoThrow([&] {
     auto s = Find(h);

@@ -28,6 +28,8 @@ template <typename T>
 std::string Format() {
   if constexpr (std::is_array_v<T> && std::is_same_v<std::remove_extent_t<T>, int64_t>) {
     return std::to_string(std::extent_v<T>) + "q";  // unpacks to that many values
+  } else if constexpr (std::is_array_v<T> && std::is_same_v<std::remove_extent_t<T>, uint64_t>) {
+    return std::to_string(std::extent_v<T>) + "Q";
   } else if constexpr (std::is_array_v<T>) {
     static_assert(sizeof(std::remove_extent_t<T>) == 1, "an array wire_py does not know");
     return std::to_string(std::extent_v<T>) + "s";
@@ -133,6 +135,8 @@ int main() {
   Hex("SESSION_MEMORY_MAGIC", v1::kSessionMemoryMagic, "kSessionMemoryMagic");
   Hex("BIND_REQUEST_MAGIC", v1::kBindRequestMagic, "kBindRequestMagic");
   Hex("STORE_ATTACH_MAGIC", v1::kStoreAttachMagic, "kStoreAttachMagic");
+  Hex("VMM_REGION_MAGIC", v1::kVmmRegionMagic, "kVmmRegionMagic");
+  Const("MAX_VMM_CHUNKS", v1::kMaxVmmChunks, "kMaxVmmChunks");
   Const("TOKEN_BYTES", v1::kTokenBytes, "kTokenBytes");
   Const("LANES_OFFSET", v1::kLanesOffset, "kLanesOffset");
   {
@@ -174,6 +178,26 @@ int main() {
     FIELD(f, v1::StoreAttachReply, ndim);
     FIELD(f, v1::StoreAttachReply, shape);
     FIELD(f, v1::StoreAttachReply, message);
+  }
+  {
+    Fields f("VMM_REGION_REQUEST", "VmmRegionRequest", sizeof(v1::VmmRegionRequest));
+    FIELD(f, v1::VmmRegionRequest, magic);
+    FIELD(f, v1::VmmRegionRequest, protocol_version);
+    FIELD(f, v1::VmmRegionRequest, session_id);
+    FIELD(f, v1::VmmRegionRequest, token);
+    FIELD(f, v1::VmmRegionRequest, client_base);
+    FIELD(f, v1::VmmRegionRequest, chunk_count);
+    FIELD(f, v1::VmmRegionRequest, reserved);
+    FIELD(f, v1::VmmRegionRequest, chunk_bytes);
+    FIELD(f, v1::VmmRegionRequest, chunk_ids);
+  }
+  {
+    Fields f("VMM_REGION_REPLY", "VmmRegionReply", sizeof(v1::VmmRegionReply));
+    FIELD(f, v1::VmmRegionReply, status_code);
+    FIELD(f, v1::VmmRegionReply, reason);
+    FIELD(f, v1::VmmRegionReply, region_id);
+    FIELD(f, v1::VmmRegionReply, mapped_bytes);
+    FIELD(f, v1::VmmRegionReply, message);
   }
   {
     Fields f("SESSION_HEADER", "SessionMemoryHeader", sizeof(v1::SessionMemoryHeader));

@@ -82,6 +82,10 @@ class Driver:
         self._cuMemUnmap = fn("cuMemUnmap", [u64, size_t])
         self._cuMemRelease = fn("cuMemRelease", [u64])
         self._cuMemSetAccess = fn("cuMemSetAccess", [u64, size_t, ctypes.POINTER(_MemAccessDesc), size_t])
+        self._cuMemGetAddressRange = fn("cuMemGetAddressRange", [ctypes.POINTER(u64), ctypes.POINTER(size_t), u64])
+        self._cuMemRetainAllocationHandle = fn("cuMemRetainAllocationHandle", [ctypes.POINTER(u64), ctypes.c_void_p])
+        self._cuMemExportToShareableHandle = fn("cuMemExportToShareableHandle",
+                                                [ctypes.POINTER(ctypes.c_int), u64, ctypes.c_int, u64])
         self._check("cuInit", self._cuInit(0))
         self._tls = threading.local()
         attrs = (ctypes.c_int * 3)(
@@ -170,6 +174,38 @@ class Driver:
         buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
         self._check(f"cuIpcGetMemHandle(0x{base:x})", self._cuIpcGetMemHandle(buf, base))
         return buf.raw
+
+    # -- virtual memory (PyTorch's expandable segments) ---------------------------------
+    def chunk_range(self, ptr: int) -> tuple[int, int]:
+        """(base, size) of the virtual-memory chunk (one cuMemMap'd physical allocation) holding ``ptr``:
+        ``cuMemGetAddressRange``, which reports the chunk where the pointer attributes report the reservation."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._check(f"cuMemGetAddressRange(0x{ptr:x})",
+                    self._cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr))
+        return base.value, size.value
+
+    def buffer_id(self, ptr: int) -> int:
+        """CU_POINTER_ATTRIBUTE_BUFFER_ID: for virtual memory, the id of the chunk holding ``ptr``."""
+        attr = (ctypes.c_int * 1)(CU_POINTER_ATTRIBUTE_BUFFER_ID)
+        val = ctypes.c_uint64(0)
+        data = (ctypes.c_void_p * 1)(ctypes.addressof(val))
+        self._check(f"cuPointerGetAttributes(0x{ptr:x})", self._cuPointerGetAttributes(1, attr, data, ptr))
+        return val.value
+
+    def export_chunk_fd(self, ptr: int) -> int:
+        """A POSIX descriptor of the chunk holding ``ptr`` (its allocation made with that handle type, as
+        PyTorch's expandable segments are); the caller closes it."""
+        handle = ctypes.c_uint64()
+        self._check(f"cuMemRetainAllocationHandle(0x{ptr:x})",
+                    self._cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(ptr)))
+        try:
+            fd = ctypes.c_int(-1)
+            self._check("cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)",
+                        self._cuMemExportToShareableHandle(ctypes.byref(fd), handle.value,
+                                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
+        finally:
+            self._cuMemRelease(handle.value)
+        return fd.value
 
     def map_readonly(self, fd: int, size: int, device: int) -> int:
         """Maps ``size`` bytes of the virtual-memory allocation whose POSIX descriptor is ``fd`` (another

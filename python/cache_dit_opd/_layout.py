@@ -46,6 +46,19 @@ STORE_ATTACH_REQUEST = struct_of(_wire.STORE_ATTACH_REQUEST_FIELDS, _wire.STORE_
 STORE_ATTACH_REQUEST_SIZE = _wire.STORE_ATTACH_REQUEST_SIZE
 STORE_ATTACH_REPLY_SIZE = _wire.STORE_ATTACH_REPLY_SIZE
 
+VMM_REGION_MAGIC = _wire.VMM_REGION_MAGIC
+MAX_VMM_CHUNKS = _wire.MAX_VMM_CHUNKS
+VMM_REGION_REQUEST = struct_of(_wire.VMM_REGION_REQUEST_FIELDS, _wire.VMM_REGION_REQUEST_SIZE)
+VMM_REGION_REPLY = struct_of(_wire.VMM_REGION_REPLY_FIELDS, _wire.VMM_REGION_REPLY_SIZE)
+VMM_REGION_REPLY_SIZE = _wire.VMM_REGION_REPLY_SIZE
+
+
+def pack_vmm_request(session_id: int, token: bytes, chunks) -> bytes:
+    """A VmmRegionRequest for ``chunks`` ((base, size, buffer id) in address order)."""
+    pad = [0] * (MAX_VMM_CHUNKS - len(chunks))
+    return VMM_REGION_REQUEST.pack(VMM_REGION_MAGIC, _wire.PROTOCOL_VERSION, session_id, token, chunks[0][0],
+                                   len(chunks), 0, *(c[1] for c in chunks), *pad, *(c[2] for c in chunks), *pad)
+
 HEADER_SIZE = _wire.SESSION_HEADER_SIZE
 HEADER_FIELDS = _wire.SESSION_HEADER_FIELDS
 

@@ -92,6 +92,7 @@ def _prototype(lib) -> None:
         "opd_native_set_op": (c.c_int, [c.c_int64, c.c_char_p, c.c_uint32]),
         "opd_native_add_region": (c.c_int, [c.c_int64, c.c_uint64, c.c_uint64, c.c_uint64, c.c_uint64]),
         "opd_native_add_fixed_region": (c.c_int, [c.c_int64, c.c_uint64, c.c_uint64, c.c_uint64]),
+        "opd_native_add_run_region": (c.c_int, [c.c_int64, c.POINTER(c.c_uint64), c.c_uint32, c.c_uint64]),
         "opd_native_forget_region": (c.c_int, [c.c_int64, c.c_uint64]),
         "opd_native_last_fallback": (c.c_int, [status]),
         "opd_native_take_rejected": (c.c_int, [c.c_int64, c.c_int, c.POINTER(OpdRejected), c.c_int]),
@@ -241,6 +242,11 @@ class NativeSession:
     def add_fixed_region(self, base: int, size: int, region_id: int) -> None:
         """A range this process mapped itself (an attached store block): the engine trusts it without the driver."""
         self._lib.opd_native_add_fixed_region(self.handle, base, size, region_id)
+
+    def add_run_region(self, chunks, region_id: int) -> None:
+        """A run of virtual-memory chunks ((base, size, buffer id), in address order) registered as one region."""
+        flat = (ctypes.c_uint64 * (3 * len(chunks)))(*(v for c in chunks for v in c))
+        self._lib.opd_native_add_run_region(self.handle, flat, len(chunks), region_id)
 
     def forget_region(self, base: int) -> None:
         self._lib.opd_native_forget_region(self.handle, base)

@@ -31,8 +31,14 @@ Keeping the cache correct:
   large dict per call, and ``_snapshot()`` walks every segment.
 * VMM memory (``expandable_segments:True``, custom or pluggable allocators)
   cannot be exported with legacy IPC; it is detected from
-  ``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`` and reported with what
-  to change.
+  ``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE``. PyTorch's expandable
+  segments map their reservation in chunks (2 or 20 MiB), each a physical
+  allocation exportable as a POSIX descriptor: a tensor there is registered
+  as the run of chunks it covers (``register_vmm``: the descriptors go over
+  the session channel and the daemon maps them contiguously), and a run is
+  taken again only while every chunk a tensor touches has its buffer id (a
+  chunk torch unmapped and mapped again is other memory). Memory that cannot
+  be exported that way is reported with what to change.
 * Weight-store blocks (``StoreBlock``): daemon memory this process mapped
   read-only (``cache_dit_opd.store.attach``). They are found by address before
   any driver query, registered in a session by attaching one of their entries
@@ -43,6 +49,7 @@ Keeping the cache correct:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import threading
@@ -50,16 +57,17 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from . import _cuda_driver
+from . import _cuda_driver, _wire
 
 SWEEP_INTERVAL_S = 1.0
 MAX_REGIONS = int(os.environ.get("CACHE_DIT_OPD_MAX_REGIONS", "4096"))
 
 _VMM_HINT = (
-    "it is virtual-memory (cuMemCreate) memory, which legacy CUDA IPC cannot export. "
-    "PyTorch allocates such memory with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-    "and with custom or pluggable allocators. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False "
-    "before CUDA is initialized and pass tensors from PyTorch's default caching allocator."
+    "it is virtual-memory (cuMemCreate) memory, which legacy CUDA IPC cannot export, and its chunks give no "
+    "POSIX descriptor for the daemon to map (PyTorch's expandable segments give one unless "
+    "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0; custom or pluggable allocators may not). Allocate it with the POSIX "
+    "descriptor handle type, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before CUDA is initialized "
+    "and pass tensors from PyTorch's default caching allocator."
 )
 
 
@@ -79,6 +87,7 @@ class Region:
     buffer_id: int
     last_use: int = 0
     fixed: bool = False  # a StoreBlock's region: no driver query, no sweep
+    chunks: tuple = ()  # a run of virtual-memory chunks: ((base, size, buffer id), ...) in address order
 
 
 class StoreBlock:
@@ -160,9 +169,12 @@ class RegionTable:
     """
 
     def __init__(self, register, unregister, driver=None, device_index: int = 0, on_add=None, on_forget=None,
-                 attach=None):
+                 attach=None, register_vmm=None):
         self._register = register
         self._unregister = unregister
+        # register_vmm(chunks, fds) -> region id: a run of virtual-memory chunks (None: such memory is refused).
+        self._register_vmm = register_vmm
+        self._run_bases: list[int] = []  # bases of the chunk runs in _by_base, sorted
         # attach(block) -> region id: registers a StoreBlock in this session (by attaching its entry again).
         self._attach = attach
         # Told about every region that enters or leaves the table (the native session's copy).
@@ -195,11 +207,16 @@ class RegionTable:
         block = store_block_at(self._device_index, ptr) if _blocks else None
         if block is not None:
             return self._store_ref(block, ptr, nbytes, pinned)
+        r = self._run_at(ptr, nbytes) if self._run_bases else None
+        if r is not None:
+            return self._use(r, pinned), ptr - r.base
         base, size, buffer_id = self.driver.pointer_range(ptr)
-        self._clock += 1
         r = self._by_base.get(base)
-        if r is None or r.buffer_id != buffer_id or r.size != size:
-            r = self._register_allocation(ptr, base, size, buffer_id, pinned)
+        if r is None or r.chunks or r.buffer_id != buffer_id or r.size != size:
+            r = self._register_allocation(ptr, nbytes, base, size, buffer_id, pinned)
+            if r.chunks:
+                return self._use(r, pinned), ptr - r.base
+        self._clock += 1
         r.last_use = self._clock
         if pinned is not None:
             pinned.add(r.region_id)
@@ -209,6 +226,30 @@ class RegionTable:
                 f"[0x{base:x}, 0x{base + size:x})"
             )
         return r.region_id, ptr - base
+
+    def _use(self, r: Region, pinned: set | None) -> int:
+        self._clock += 1
+        r.last_use = self._clock
+        if pinned is not None:
+            pinned.add(r.region_id)
+        return r.region_id
+
+    def _run_at(self, ptr: int, nbytes: int) -> Region | None:
+        """The chunk run holding [ptr, ptr + nbytes) whose chunks that range touches still have their buffer ids;
+        a run with a chunk mapped again is dropped (its memory is another)."""
+        i = bisect.bisect_right(self._run_bases, ptr) - 1
+        if i < 0:
+            return None
+        r = self._by_base.get(self._run_bases[i])
+        if r is None or ptr + nbytes > r.base + r.size:
+            return None
+        last = ptr + max(nbytes, 1) - 1
+        for base, size, cid in r.chunks:
+            if base + size > ptr and base <= last and self.driver.buffer_id(base) != cid:
+                with self._lock:
+                    self._drop(r)
+                return None
+        return r
 
     def _store_ref(self, block: StoreBlock, ptr: int, nbytes: int, pinned: set | None) -> tuple[int, int]:
         if ptr + nbytes > block.base + block.size:
@@ -230,17 +271,13 @@ class RegionTable:
             r = self._by_base.get(block.base)
             if r is not None and r.fixed and (region_id is None or r.region_id == region_id):
                 return r
-            if r is not None:  # a freed allocation that had this address, or another region id of the block
-                self._drop(r)
             if self._attach is None and region_id is None:
                 raise RegionExportError(f"cache_dit_opd: weight-store block of '{block.name}' cannot be registered "
                                         f"in this session (no attach)")
             rid = region_id if region_id is not None else self._attach(block)
-            r = Region(rid, block.base, block.size, 0, fixed=True)
-            self._by_base[block.base] = r
             block.tables.add(self)
-            self._on_add(r)
-            return r
+            # Replaces a freed allocation that had this address, or another region id of the block.
+            return self._add(Region(rid, block.base, block.size, 0, fixed=True))
 
     def forget_base(self, base: int) -> None:
         """Unregisters the region at ``base`` (a store block whose last tensor went)."""
@@ -254,7 +291,7 @@ class RegionTable:
             self.sweep()
 
     # -- registration -------------------------------------------------------------
-    def _register_allocation(self, ptr, base, size, buffer_id, pinned) -> Region:
+    def _register_allocation(self, ptr, nbytes, base, size, buffer_id, pinned) -> Region:
         drv = self.driver
         if base == 0 or size == 0 or buffer_id == 0:
             raise RegionExportError(
@@ -262,15 +299,12 @@ class RegionTable:
             )
         with self._lock:
             r = self._by_base.get(base)
-            if r is not None and r.buffer_id == buffer_id and r.size == size:
+            if r is not None and not r.chunks and r.buffer_id == buffer_id and r.size == size:
                 return r
+            if not drv.legacy_ipc_capable(base):
+                return self._register_run(ptr, nbytes, pinned)
             if r is not None:  # the old allocation at this address was freed: drop its mapping
                 self._drop(r)
-            if not drv.legacy_ipc_capable(base):
-                raise RegionExportError(
-                    f"cache_dit_opd: cannot export tensor memory at 0x{ptr:x} (allocation of {size} bytes "
-                    f"on cuda:{self._device_index}) to the operator daemon: {_VMM_HINT}"
-                )
             try:
                 handle = drv.ipc_get_mem_handle(base)
             except _cuda_driver.CudaDriverError as e:
@@ -280,22 +314,69 @@ class RegionTable:
                         f"({size} bytes on cuda:{self._device_index}): {e}; if {_VMM_HINT}"
                     ) from e
                 raise
-            if len(self._by_base) >= MAX_REGIONS:
-                self._evict_idle(pinned, len(self._by_base) // 2)
-            try:
-                region_id = self._register(handle, base, size, buffer_id)
-            except RegionsExhausted:
-                if not self._evict_idle(pinned, max(1, len(self._by_base) // 2)):
-                    raise
-                region_id = self._register(handle, base, size, buffer_id)
-            r = Region(region_id, base, size, buffer_id)
-            self._by_base[base] = r
-            self._on_add(r)
-            return r
+            region_id = self._registered(pinned, lambda: self._register(handle, base, size, buffer_id))
+            return self._add(Region(region_id, base, size, buffer_id))
+
+    def _registered(self, pinned, register) -> int:
+        """``register()``'s region id, idle regions evicted first when the table (or the daemon) is full."""
+        if len(self._by_base) >= MAX_REGIONS:
+            self._evict_idle(pinned, len(self._by_base) // 2)
+        try:
+            return register()
+        except RegionsExhausted:
+            if not self._evict_idle(pinned, max(1, len(self._by_base) // 2)):
+                raise
+            return register()
+
+    def _add(self, r: Region) -> Region:
+        old = self._by_base.get(r.base)
+        if old is not None:
+            self._drop(old)
+        self._by_base[r.base] = r
+        if r.chunks:
+            bisect.insort(self._run_bases, r.base)
+        self._on_add(r)
+        return r
+
+    def _register_run(self, ptr, nbytes, pinned) -> Region:
+        """Registers the run of virtual-memory chunks [ptr, ptr + nbytes) covers (under the lock)."""
+        drv = self.driver
+        where = f"tensor memory at 0x{ptr:x} ({nbytes} bytes on cuda:{self._device_index})"
+        if self._register_vmm is None or not hasattr(drv, "chunk_range"):
+            raise RegionExportError(f"cache_dit_opd: cannot export {where} to the operator daemon: {_VMM_HINT}")
+        chunks, at, end = [], ptr, ptr + max(nbytes, 1)
+        while at < end:
+            base, size = drv.chunk_range(at)
+            if size == 0 or not base <= at < base + size or (chunks and base != at):
+                raise RegionExportError(f"cache_dit_opd: {where}: the driver maps no chunk at 0x{at:x}")
+            chunks.append((base, size, drv.buffer_id(base)))
+            if len(chunks) > _wire.MAX_VMM_CHUNKS:
+                raise RegionExportError(f"cache_dit_opd: {where} spans more than {_wire.MAX_VMM_CHUNKS} "
+                                        f"virtual-memory chunks, the most one region takes")
+            at = base + size
+        fds = []
+        try:
+            for base, _, _ in chunks:
+                try:
+                    fds.append(drv.export_chunk_fd(base))
+                except _cuda_driver.CudaDriverError as e:
+                    raise RegionExportError(f"cache_dit_opd: cannot export {where}: its chunk at 0x{base:x} gives "
+                                            f"no POSIX descriptor ({e}); {_VMM_HINT}") from e
+            region_id = self._registered(pinned, lambda: self._register_vmm(chunks, fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return self._add(Region(region_id, chunks[0][0], sum(c[1] for c in chunks), 0, chunks=tuple(chunks)))
+
+    def _pop(self, r: Region) -> None:
+        if self._by_base.get(r.base) is r:
+            del self._by_base[r.base]
+            if r.chunks:
+                self._run_bases.remove(r.base)
+        self._on_forget(r)
 
     def _drop(self, r: Region) -> None:
-        self._by_base.pop(r.base, None)
-        self._on_forget(r)
+        self._pop(r)
         if not self.closed:
             try:
                 self._unregister(r.region_id)
@@ -314,8 +395,7 @@ class RegionTable:
         ids = set(region_ids)
         with self._lock:
             for r in [r for r in self._by_base.values() if r.region_id in ids]:
-                self._by_base.pop(r.base, None)
-                self._on_forget(r)
+                self._pop(r)
 
     def sweep(self) -> int:
         """Unregisters every region whose allocation was freed; returns how many."""
@@ -327,6 +407,15 @@ class RegionTable:
         with self._lock:
             for r in list(self._by_base.values()):
                 if r.fixed:  # mapped by this process until its tensors go (StoreBlock)
+                    continue
+                if r.chunks:  # a run: gone when one of its chunks was unmapped or mapped again
+                    try:
+                        same = all(drv.buffer_id(b) == cid for b, _, cid in r.chunks)
+                    except _cuda_driver.CudaDriverError:
+                        same = False
+                    if not same:
+                        self._drop(r)
+                        freed += 1
                     continue
                 try:
                     base, size, buffer_id = drv.pointer_range(r.base)
@@ -342,6 +431,7 @@ class RegionTable:
         for r in self._by_base.values():
             self._on_forget(r)
         self._by_base.clear()
+        self._run_bases.clear()
         _tables.discard(self)
 
 

@@ -243,13 +243,15 @@ class Session:
         def on_add(reg: _regions.Region) -> None:
             if reg.fixed:
                 n.add_fixed_region(reg.base, reg.size, reg.region_id)
+            elif reg.chunks:
+                n.add_run_region(reg.chunks, reg.region_id)
             else:
                 n.add_region(reg.base, reg.size, reg.buffer_id, reg.region_id)
 
         self.regions = _regions.RegionTable(self._register_region, self._unregister_region, self._driver,
                                             self.device_index, on_add=n and on_add,
                                             on_forget=n and (lambda reg: n.forget_region(reg.base)),
-                                            attach=self._attach_block)
+                                            attach=self._attach_block, register_vmm=self._register_chunks)
         log.debug("cache_dit_opd: session %d with %s: %d lanes, transport %s", self.reply.session_id, self.target,
                   self.reply.lanes, self.transport)
         return self
@@ -314,6 +316,60 @@ class Session:
         sock.settimeout(None)
         return fd, shm_bytes
 
+    # -- the session channel's own requests (session_memory.h) --------------------------------------------------
+    def _channel_request(self, what: str, request: bytes, fds: list[int], reply_size: int) -> tuple[bytes, list[int]]:
+        """Sends one request (with ``fds``) on a connection of its own to the session channel; the reply's bytes and
+        descriptors. A BindReply-sized answer (refused before the request was read) raises its DaemonError, as does
+        a reply of another size (SessionFailedError) or a refusal left to the caller to decode."""
+        path = self.reply.session_channel_path
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            try:
+                sock.connect(path)
+                try:
+                    if fds:
+                        socket.send_fds(sock, [request], fds)
+                    else:
+                        sock.sendall(request)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # refused at accept: its reply is queued
+                msg, got, flags, _ = socket.recv_fds(sock, max(reply_size, _layout.BIND_REPLY_SIZE) + 1, 2)
+            except OSError as e:
+                raise SessionFailedError(f"{what} on {path} failed: {e}") from None
+        try:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(msg) not in (reply_size, _layout.BIND_REPLY_SIZE):
+                raise SessionFailedError(f"{what}: the reply on {path} has {len(msg)} bytes (flags 0x{flags:x}), "
+                                         f"expected {reply_size}")
+            if len(msg) == _layout.BIND_REPLY_SIZE and reply_size != _layout.BIND_REPLY_SIZE:
+                status, _, _, reason, message = _layout.BIND_REPLY.unpack(msg)
+                raise DaemonError(status or 2, reason, message.split(b"\0", 1)[0].decode(errors="replace"))
+        except BaseException:
+            for fd in got:
+                os.close(fd)
+            raise
+        return msg, got
+
+    def _register_chunks(self, chunks, fds: list[int]) -> int:
+        """Registers a run of virtual-memory chunks ((base, size, buffer id), with their descriptors) as one
+        region (session_memory.h VmmRegionRequest)."""
+        r = self.reply
+        what = f"registering {len(chunks)} chunks at 0x{chunks[0][0]:x}"
+        try:
+            msg, got = self._channel_request(what, _layout.pack_vmm_request(r.session_id, bytes(r.token), chunks), fds,
+                                             _layout.VMM_REGION_REPLY_SIZE)
+            for fd in got:
+                os.close(fd)
+            status, reason, region_id, _, message = _layout.VMM_REGION_REPLY.unpack(msg)
+            if status != 0:
+                raise DaemonError(status, reason, message.split(b"\0", 1)[0].decode(errors="replace"))
+        except DaemonError as err:
+            if err.reason == _wire.REASONS["RESOURCE_EXHAUSTED"][0]:
+                raise _regions.RegionsExhausted(err.message) from None
+            if err.action in (_errors.RECONNECT, _errors.FAIL):
+                self.fail(err)
+            _errors.raise_for(what, err)
+        return region_id
+
     # -- the weight store: attaching an entry (session_memory.h StoreAttachRequest) ---------------------------
     def attach_store(self, name: str) -> tuple[dict, int | None]:
         """Attaches the store entry ``name`` on this session: (the reply's fields, the descriptor of its set's
@@ -326,36 +382,17 @@ class Session:
                              f"{_wire.MAX_STORE_NAME_BYTES})")
         req = _layout.STORE_ATTACH_REQUEST.pack(_layout.STORE_ATTACH_MAGIC, _wire.PROTOCOL_VERSION, r.session_id,
                                                 bytes(r.token), len(data), 0, data)
-        path = r.session_channel_path
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-            sock.settimeout(CONNECT_TIMEOUT_S)
-            try:
-                sock.connect(path)
-                try:
-                    sock.sendall(req)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # refused at accept: its reply is queued
-                size = max(_layout.STORE_ATTACH_REPLY_SIZE, _layout.BIND_REPLY_SIZE) + 1
-                msg, fds, flags, _ = socket.recv_fds(sock, size, 2)
-            except OSError as e:
-                raise SessionFailedError(f"attaching '{name}' on {path} failed: {e}") from None
+        msg, fds = self._channel_request(f"attaching '{name}'", req, [], _layout.STORE_ATTACH_REPLY_SIZE)
         fd = fds[0] if fds else None
         try:
             for extra in fds[1:]:
                 os.close(extra)
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(msg) not in (
-                    _layout.STORE_ATTACH_REPLY_SIZE, _layout.BIND_REPLY_SIZE):
-                raise SessionFailedError(f"store attach reply on {path} has {len(msg)} bytes (flags 0x{flags:x}), "
-                                         f"expected {_layout.STORE_ATTACH_REPLY_SIZE}")
-            if len(msg) == _layout.BIND_REPLY_SIZE:  # refused before the request was read
-                status, _, _, reason, message = _layout.BIND_REPLY.unpack(msg)
-                raise DaemonError(status or 2, reason, message.split(b"\0", 1)[0].decode(errors="replace"))
             reply = _layout.read_attach_reply(msg)
             if reply["status_code"] != 0:
                 raise DaemonError(reply["status_code"], reply["reason"], reply["message"])
             has_memory = reply["region_id"] != _wire.NO_REGION
             if has_memory != (fd is not None) or (has_memory and reply["offset"] + reply["bytes"] > reply["block_bytes"]):
-                raise SessionFailedError(f"store attach reply on {path} is malformed: region {reply['region_id']}, "
+                raise SessionFailedError(f"store attach reply of '{name}' is malformed: region {reply['region_id']}, "
                                          f"{len(fds)} descriptors, bytes [{reply['offset']}, +{reply['bytes']}) of a "
                                          f"{reply['block_bytes']}-byte block")
         except BaseException:

@@ -96,6 +96,8 @@ LAYOUT_VERSION = 2  # kLayoutVersion
 SESSION_MEMORY_MAGIC = 0x504F4443  # kSessionMemoryMagic
 BIND_REQUEST_MAGIC = 0x444E4942  # kBindRequestMagic
 STORE_ATTACH_MAGIC = 0x48435441  # kStoreAttachMagic
+VMM_REGION_MAGIC = 0x4D4D5652  # kVmmRegionMagic
+MAX_VMM_CHUNKS = 240  # kMaxVmmChunks
 TOKEN_BYTES = 32  # kTokenBytes
 LANES_OFFSET = 4096  # kLanesOffset
 
@@ -145,6 +147,30 @@ STORE_ATTACH_REPLY_FIELDS = {
     "ndim": (60, "<I"),
     "shape": (64, "<8q"),
     "message": (128, "<256s"),
+}
+
+# struct VmmRegionRequest
+VMM_REGION_REQUEST_SIZE = 3904
+VMM_REGION_REQUEST_FIELDS = {
+    "magic": (0, "<I"),
+    "protocol_version": (4, "<I"),
+    "session_id": (8, "<Q"),
+    "token": (16, "<32s"),
+    "client_base": (48, "<Q"),
+    "chunk_count": (56, "<I"),
+    "reserved": (60, "<I"),
+    "chunk_bytes": (64, "<240Q"),
+    "chunk_ids": (1984, "<240Q"),
+}
+
+# struct VmmRegionReply
+VMM_REGION_REPLY_SIZE = 280
+VMM_REGION_REPLY_FIELDS = {
+    "status_code": (0, "<i"),
+    "reason": (4, "<I"),
+    "region_id": (8, "<Q"),
+    "mapped_bytes": (16, "<Q"),
+    "message": (24, "<256s"),
 }
 
 # struct SessionMemoryHeader

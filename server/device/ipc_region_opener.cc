@@ -100,6 +100,114 @@ void IpcRegionOpener::Close(void* base) {
   cudaGetLastError();
 }
 
+namespace {
+
+// Unmaps the chunks of a run mapped at `base` (sizes in order) and frees its
+// addresses.
+void UnmapRun(const DriverApi* api, CUdeviceptr base, const std::vector<uint64_t>& chunks, uint64_t reserved) {
+  uint64_t at = 0;
+  for (const uint64_t n : chunks) {
+    api->mem_unmap(base + at, n);
+    at += n;
+  }
+  api->mem_address_free(base, reserved);
+}
+
+}  // namespace
+
+Status IpcRegionOpener::OpenChunks(std::span<const int> fds, std::span<const uint64_t> chunk_bytes, void** base,
+                                   uint64_t* size) {
+  Status s;
+  const DriverApi* api = GetDriverApi(&s);
+  if (api == nullptr) return s;
+  if (fds.empty() || fds.size() != chunk_bytes.size()) {
+    return Status::Internal("OpenChunks: ", fds.size(), " descriptors for ", chunk_bytes.size(), " chunk sizes");
+  }
+  uint64_t total = 0;
+  for (const uint64_t n : chunk_bytes) {
+    if (n == 0 || __builtin_add_overflow(total, n, &total)) {
+      return Status::Rejected(Reason::kBadArgument, "chunk sizes that are 0 or overflow 64 bits");
+    }
+  }
+  if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Internal("cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
+  }
+  // Every step is undone when a later one fails.
+  struct Undo {
+    const DriverApi* api;
+    uint64_t total;
+    CUdeviceptr p = 0;
+    std::vector<uint64_t> mapped;
+    bool kept = false;
+    ~Undo() {
+      if (!kept && p != 0) UnmapRun(api, p, mapped, total);
+    }
+  } undo{api, total};
+  CUresult r = api->mem_address_reserve(&undo.p, total, 0, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    return Status::Rejected(Reason::kResourceExhausted, "cuMemAddressReserve(", total, "): ", DriverErrorString(r));
+  }
+  uint64_t at = 0;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    CUmemGenericAllocationHandle h = 0;
+    r = api->mem_import_from_shareable_handle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[i])),
+                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != CUDA_SUCCESS) {
+      return Status::Rejected(Reason::kBadArgument, "chunk ", i, ": cuMemImportFromShareableHandle: ",
+                              DriverErrorString(r), " (not a descriptor of CUDA virtual memory)");
+    }
+    r = api->mem_map(undo.p + at, chunk_bytes[i], 0, h, 0);
+    api->mem_release(h);  // the mapping keeps the memory
+    if (r != CUDA_SUCCESS) {
+      return Status::Rejected(Reason::kBadArgument, "chunk ", i, " of ", chunk_bytes[i], " bytes: cuMemMap: ",
+                              DriverErrorString(r), " (a size the allocation does not have?)");
+    }
+    undo.mapped.push_back(chunk_bytes[i]);
+    at += chunk_bytes[i];
+  }
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  r = api->mem_set_access(undo.p, total, &access, 1);
+  if (r != CUDA_SUCCESS) {
+    return Status::Rejected(Reason::kBadArgument, "cuMemSetAccess for device ", device_, ": ", DriverErrorString(r));
+  }
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(undo.p)) != cudaSuccess || attr.device != device_) {
+    cudaGetLastError();
+    return Status::Rejected(Reason::kBadArgument, "the chunks hold memory of CUDA device ", attr.device,
+                            " of the daemon's process; this daemon serves device ", device_, " only");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    runs_[reinterpret_cast<void*>(undo.p)] = undo.mapped;
+  }
+  undo.kept = true;
+  *base = reinterpret_cast<void*>(undo.p);
+  *size = total;
+  return Status::Ok();
+}
+
+void IpcRegionOpener::CloseChunks(void* base) {
+  std::vector<uint64_t> chunks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = runs_.find(base);
+    if (it == runs_.end()) return;
+    chunks = std::move(it->second);
+    runs_.erase(it);
+  }
+  Status s;
+  const DriverApi* api = GetDriverApi(&s);
+  if (api == nullptr) return;
+  uint64_t total = 0;
+  for (const uint64_t n : chunks) total += n;
+  cudaSetDevice(device_);
+  UnmapRun(api, reinterpret_cast<CUdeviceptr>(base), chunks, total);
+}
+
 size_t IpcRegionOpener::open_mappings() const {
   std::lock_guard<std::mutex> lock(mu_);
   return by_handle_.size();

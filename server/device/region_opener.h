@@ -1,9 +1,11 @@
 // File: server/device/region_opener.h
 //
-// Opening and closing a client's CUDA IPC memory handle: the only part of the
-// region registry (server/session/region_registry.h) that touches CUDA, behind an
-// interface so that the registry's bookkeeping (limits, LRU, deferred
-// release) is tested on machines without a GPU.
+// Opening and closing a client's memory: a legacy CUDA IPC memory handle, or
+// a run of CUDA virtual-memory chunks passed as POSIX descriptors (PyTorch's
+// expandable segments). The only part of the region registry
+// (server/session/region_registry.h) that touches CUDA, behind an interface
+// so that the registry's bookkeeping (limits, LRU, deferred release) is
+// tested on machines without a GPU.
 //
 // The real implementation (server/device/ipc_region_opener.h) opens with
 // cudaIpcOpenMemHandle on the daemon's own device and reads the allocation
@@ -13,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
 
 #include "common/status.h"
@@ -39,6 +42,19 @@ class RegionOpener {
   // Releases one Open of the mapping at `base`. May synchronize the device,
   // so the daemon calls it only off the dispatch path (the reaper thread).
   virtual void Close(void* base) = 0;
+
+  // RegionOpener::OpenChunks
+  //
+  // Maps the chunks another process exported as POSIX descriptors (`fds`,
+  // which the caller keeps and closes) contiguously, in order, read-write on
+  // the daemon's device: chunk i's `chunk_bytes[i]` bytes at the sum of the
+  // sizes before it. `*size` is that sum. INVALID_ARGUMENT naming the chunk
+  // when the driver refuses one (not a descriptor of CUDA memory, a size it
+  // does not have, memory of another device); what was mapped is undone.
+  virtual Status OpenChunks(std::span<const int> fds, std::span<const uint64_t> chunk_bytes, void** base,
+                            uint64_t* size) = 0;
+  // Undoes one OpenChunks (may synchronize the device: the reaper's).
+  virtual void CloseChunks(void* base) = 0;
 };
 
 }  // namespace cache_dit_opd

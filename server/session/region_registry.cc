@@ -31,9 +31,9 @@ bool RegionRegistry::IdleLocked(const Region& r) const {
 
 void RegionRegistry::CloseAll(std::vector<Region>& regions) {
   for (Region& r : regions) {
-    if (!r.shared) opener_->Close(r.base);
+    if (!r.lent) opener_->Close(r.base);
   }
-  regions.clear();  // a shared region's keep-alive references go here
+  regions.clear();  // a lent region's keep-alive references go here
 }
 
 Status RegionRegistry::MakeRoomLocked(uint64_t bytes, std::vector<Region>* evicted) {
@@ -150,9 +150,13 @@ Status RegionRegistry::Register(std::string_view handle, uint64_t claimed_size, 
   return Status::Ok();
 }
 
-Status RegionRegistry::RegisterShared(const std::string& key, void* base, uint64_t size,
-                                      std::vector<std::shared_ptr<const void>> keepalive, Registered* out) {
-  if (key.size() == kIpcHandleBytes) return Status::Internal("a shared region key of an IPC handle's size");
+Status RegionRegistry::RegisterLent(const std::string& key, void* base, uint64_t size, Lent how,
+                                    std::vector<std::shared_ptr<const void>> keepalive, Registered* out) {
+  if (key.size() == kIpcHandleBytes) return Status::Internal("a lent region key of an IPC handle's size");
+  if (how.counts_bytes && size > limits_.max_bytes) {
+    return Status::Rejected(Reason::kResourceExhausted, "region of ", size, " bytes exceeds --max-mapped-bytes ",
+                            limits_.max_bytes);
+  }
   ReleaseCompleted();  // finished pending releases free room first
   std::vector<Region> evicted;
   {
@@ -178,21 +182,33 @@ Status RegionRegistry::RegisterShared(const std::string& key, void* base, uint64
       active_.emplace(r.id, std::move(r));
       return Status::Ok();
     }
-    OPD_RETURN_IF_ERROR(MakeRoomLocked(0, &evicted));
+    OPD_RETURN_IF_ERROR(MakeRoomLocked(how.counts_bytes ? size : 0, &evicted));
     Region r;
     r.id = next_id_++;
     r.handle = key;
     r.base = base;
     r.size = size;
-    r.shared = true;
+    r.lent = true;
+    r.how = how;
     r.last_use.assign(lanes_, 0);
     keep(r);
+    mapped_bytes_ += r.mapped_bytes();
     id_by_handle_[key] = r.id;
     *out = Registered{r.id, size, false};
     active_.emplace(r.id, std::move(r));
   }
   CloseAll(evicted);
   return Status::Ok();
+}
+
+bool RegionRegistry::FindLent(const std::string& key, uint64_t* region_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = id_by_handle_.find(key);
+  if (it == id_by_handle_.end()) return false;
+  Region& r = active_.at(it->second);
+  r.lru_tick = ++tick_;
+  *region_id = r.id;
+  return true;
 }
 
 Status RegionRegistry::Unregister(uint64_t region_id, bool* deferred) {

@@ -21,13 +21,15 @@
 // daemon's own record of what its lane stream finished (not the shared
 // memory, which the client can write).
 //
-// Shared regions: memory the daemon owns and lends to the session (a weight-
-// store block the client attached; RegisterShared). Nothing is opened or
-// closed for one: the registry holds the caller's keep-alive references
-// until the region is released by the same rules, then drops them. They are
-// read-only (MappedRegion::read_only: the dispatch layer refuses a written
-// tensor in one), count against max_regions, not against max_bytes (the
-// daemon maps nothing for them), and are keyed apart from IPC handles.
+// Lent regions (RegisterLent): memory the registry does not open itself: a
+// weight-store block the daemon lends the session (read-only:
+// MappedRegion::read_only, the dispatch layer refuses a written tensor in
+// one; not counted against max_bytes, the daemon maps nothing for it), or a
+// run of a client's virtual-memory chunks the caller mapped (read-write,
+// counted). The registry holds the caller's keep-alive references until the
+// region is released by the same rules as any region, then drops them (a
+// keep-alive may unmap on destruction). They count against max_regions and
+// are keyed apart from IPC handles.
 //
 // Pins: a region pinned (PinForCopy) is not idle: it is released only after
 // the pin is dropped, whatever the lanes say. For work outside the lanes
@@ -91,15 +93,23 @@ class RegionRegistry final : public RegionResolver {
   // limits are reached and no region is idle.
   Status Register(std::string_view handle, uint64_t claimed_size, Registered* out);
 
-  // RegionRegistry::RegisterShared
+  // RegionRegistry::RegisterLent
   //
-  // Lends [base, base + size) of the daemon's own memory to the session as a
-  // read-only region under `key` (never 64 bytes long, so never an IPC
-  // handle's), holding `keepalive`. A key registered already returns its id
-  // (reused = true), keeping each of `keepalive` it does not hold yet.
-  // RESOURCE_EXHAUSTED when the session holds max_regions and none is idle.
-  Status RegisterShared(const std::string& key, void* base, uint64_t size,
-                        std::vector<std::shared_ptr<const void>> keepalive, Registered* out);
+  // Registers [base, base + size) as a region under `key` (never 64 bytes
+  // long, so never an IPC handle's), holding `keepalive`. A key registered
+  // already returns its id (reused = true), keeping each of `keepalive` it
+  // does not hold yet. RESOURCE_EXHAUSTED when the session holds max_regions
+  // (or, counting bytes, max_bytes) and nothing idle can be evicted.
+  struct Lent {
+    bool read_only = true;      // daemon memory (a store block): no op may write it
+    bool counts_bytes = false;  // mapped for this region: counts against max_bytes
+  };
+  Status RegisterLent(const std::string& key, void* base, uint64_t size, Lent how,
+                      std::vector<std::shared_ptr<const void>> keepalive, Registered* out);
+
+  // The id of the active region registered under `key` (RegisterLent),
+  // marked recently used; false when there is none.
+  bool FindLent(const std::string& key, uint64_t* region_id);
 
   // RegionRegistry::Unregister
   //
@@ -158,10 +168,11 @@ class RegionRegistry final : public RegionResolver {
     std::vector<uint64_t> last_use;  // per lane: last seq that used it
     uint64_t lru_tick = 0;
     uint32_t pins = 0;
-    bool shared = false;  // lent by the daemon: keepalive instead of an opener mapping
+    bool lent = false;  // RegisterLent: keep-alives instead of an opener mapping
+    Lent how;
     std::vector<std::shared_ptr<const void>> keepalive;
-    uint64_t mapped_bytes() const { return shared ? 0 : size; }
-    MappedRegion Mapped(int device) const { return MappedRegion{base, size, device, shared}; }
+    uint64_t mapped_bytes() const { return !lent || how.counts_bytes ? size : 0; }
+    MappedRegion Mapped(int device) const { return MappedRegion{base, size, device, lent && how.read_only}; }
   };
 
   bool IdleLocked(const Region& r) const;

@@ -72,6 +72,18 @@ Status SendAttachReply(int sock, const Status& status, v1::StoreAttachReply repl
   return SendMessage(sock, &reply, sizeof(reply), status.ok() ? fd : -1, "StoreAttachReply");
 }
 
+Status SendRegionReply(int sock, const Status& status, uint64_t region_id, uint64_t mapped_bytes) {
+  v1::VmmRegionReply reply{};
+  reply.status_code = static_cast<int32_t>(status.code());
+  reply.reason = static_cast<uint32_t>(status.reason());
+  if (status.ok()) {
+    reply.region_id = region_id;
+    reply.mapped_bytes = mapped_bytes;
+  }
+  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
+  return SendMessage(sock, &reply, sizeof(reply), -1, "VmmRegionReply");
+}
+
 SessionChannel::SessionChannel(std::string path, SessionManager* manager, std::chrono::milliseconds tick,
                                SessionChannelLimits limits)
     : path_(std::move(path)), manager_(manager), tick_(tick), limits_(std::move(limits)) {
@@ -273,15 +285,44 @@ Status SessionChannel::HandleAdmin(std::string_view bytes, const PeerCred& peer)
 
 void SessionChannel::HandleFirstMessage(Conn& conn) {
   // One message; MSG_TRUNC reports its real length so oversize is caught.
-  char buf[std::max({sizeof(v1::BindRequest), sizeof(v1::AdminRequest), sizeof(v1::StoreAttachRequest)}) + 1];
-  ssize_t n = recv(conn.fd, buf, sizeof(buf), MSG_DONTWAIT | MSG_TRUNC);
+  // Descriptors come only with a region request; any that come are closed
+  // at the end of this function.
+  alignas(8) char buf[std::max({sizeof(v1::BindRequest), sizeof(v1::AdminRequest), sizeof(v1::StoreAttachRequest),
+                                sizeof(v1::VmmRegionRequest)}) + 1];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * v1::kMaxVmmChunks)];
+  iovec iov{buf, sizeof(buf)};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n = recvmsg(conn.fd, &msg, MSG_DONTWAIT | MSG_TRUNC | MSG_CMSG_CLOEXEC);
   if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  std::vector<int> fds;
+  for (cmsghdr* c = n > 0 ? CMSG_FIRSTHDR(&msg) : nullptr; c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+      int f;
+      std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds.push_back(f);
+    }
+  }
+  struct CloseFds {
+    std::vector<int>& fds;
+    ~CloseFds() {
+      for (const int f : fds) close(f);
+    }
+  } close_fds{fds};
   if (n <= 0) {
     CloseConn(conn.fd);  // closed before binding
     return;
   }
   const std::string_view bytes(buf, std::min<size_t>(static_cast<size_t>(n), sizeof(buf)));
-  if (static_cast<size_t>(n) == sizeof(v1::AdminRequest)) {
+  if (static_cast<size_t>(n) == sizeof(v1::VmmRegionRequest)) {
+    // More descriptors than a request may carry were cut (and closed by the kernel): malformed.
+    HandleRegion(conn, bytes, (msg.msg_flags & MSG_CTRUNC) ? std::span<const int>() : std::span<const int>(fds),
+                 (msg.msg_flags & MSG_CTRUNC) != 0);
+  } else if (static_cast<size_t>(n) == sizeof(v1::AdminRequest)) {
     Status a = HandleAdmin(bytes, conn.peer);
     (void)SendBindReply(conn.fd, a, 0, -1);  // best effort: the peer may be gone
     CloseConn(conn.fd);
@@ -324,27 +365,46 @@ void SessionChannel::HandleBind(Conn& conn, std::string_view bytes) {
   conn.session_id = session->id();
 }
 
+void SessionChannel::HandOver(Conn& conn, Status admitted, const char* what, const std::function<void(int)>& hand,
+                              const std::function<void(int, const Status&)>& refuse) {
+  if (admitted.ok()) {
+    const int reply_fd = fcntl(conn.fd, F_DUPFD_CLOEXEC, 0);
+    if (reply_fd >= 0) {
+      hand(reply_fd);
+      CloseConn(conn.fd);
+      return;
+    }
+    admitted = Status::Internal(what, ": dup: ", std::strerror(errno));
+  }
+  static LogThrottle refused(10, std::chrono::seconds(10));  // any peer can ask
+  if (const auto v = refused.Next(); v.log) {
+    spdlog::warn("session channel: {} refused for pid {} uid {}: {}{}", what, conn.peer.pid, conn.peer.uid,
+                 admitted.ToString(), SuppressedNote(v.suppressed));
+  }
+  refuse(conn.fd, admitted);  // best effort: the peer may be gone
+  CloseConn(conn.fd);
+}
+
 void SessionChannel::HandleAttach(Conn& conn, std::string_view bytes) {
   std::shared_ptr<Session> session;
   std::string name;
   Status s = manager_->AdmitAttach(bytes, conn.peer, &session, &name);
   if (s.ok() && !attach_) s = Status(StatusCode::kUnimplemented, "this daemon has no weight store");
-  if (s.ok()) {
-    const int reply_fd = fcntl(conn.fd, F_DUPFD_CLOEXEC, 0);
-    if (reply_fd >= 0) {
-      attach_(std::move(session), std::move(name), reply_fd);
-      CloseConn(conn.fd);
-      return;
-    }
-    s = Status::Internal("store attach: dup: ", std::strerror(errno));
-  }
-  static LogThrottle refused(10, std::chrono::seconds(10));  // any peer can ask
-  if (const auto v = refused.Next(); v.log) {
-    spdlog::warn("session channel: store attach refused for pid {} uid {}: {}{}", conn.peer.pid, conn.peer.uid,
-                 s.ToString(), SuppressedNote(v.suppressed));
-  }
-  (void)SendAttachReply(conn.fd, s, v1::StoreAttachReply{}, -1);  // best effort: the peer may be gone
-  CloseConn(conn.fd);
+  HandOver(
+      conn, s, "store attach", [&](int reply_fd) { attach_(std::move(session), std::move(name), reply_fd); },
+      [](int fd, const Status& why) { (void)SendAttachReply(fd, why, v1::StoreAttachReply{}, -1); });
+}
+
+void SessionChannel::HandleRegion(Conn& conn, std::string_view bytes, std::span<const int> fds, bool truncated) {
+  std::shared_ptr<Session> session;
+  v1::VmmRegionRequest req;
+  Status s = truncated ? Status::Rejected(Reason::kMalformed, "region request with more than ", v1::kMaxVmmChunks,
+                                          " descriptors")
+                       : manager_->AdmitVmmRegion(bytes, fds.size(), conn.peer, &session, &req);
+  if (s.ok() && !region_) s = Status(StatusCode::kUnimplemented, "this daemon maps no client chunks");
+  HandOver(
+      conn, s, "region request", [&](int reply_fd) { region_(std::move(session), req, fds, reply_fd); },
+      [](int fd, const Status& why) { (void)SendRegionReply(fd, why, 0, 0); });
 }
 
 void SessionChannel::OnReadable(Conn& conn) {

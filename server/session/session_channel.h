@@ -21,6 +21,12 @@
 //   StoreAttachReply (+ the block's descriptor) from its own thread; the
 //   channel closes its end at once (a refusal it answers itself)
 //
+//   or: client sends VmmRegionRequest with its chunks' descriptors (a bound
+//   session's process registering virtual memory): SessionManager::
+//   AdmitVmmRegion checks it as an attach, then the region handler maps the
+//   chunks (on the channel thread: the descriptors are closed when it
+//   returns) and answers VmmRegionReply from its own thread
+//
 // When a bound connection closes (the client exited or crashed, or closed it
 // deliberately) the session ends at once. When the session ends for another
 // reason (CloseSession, bind timeout, shutdown) CloseSession(id) closes the
@@ -52,6 +58,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -107,6 +114,14 @@ class SessionChannel {
   // attach requests are UNIMPLEMENTED. Set before Start.
   using AttachHandler = std::function<void(std::shared_ptr<Session>, std::string name, int reply_fd)>;
   void SetAttachHandler(AttachHandler handler) { attach_ = std::move(handler); }
+  // What a VmmRegionRequest does once admitted: called on the channel thread
+  // with the session, the request, its chunks' descriptors (the channel's,
+  // closed when the handler returns: it maps them before) and `reply_fd`,
+  // which it owns and answers with SendRegionReply. Without a handler,
+  // region requests are UNIMPLEMENTED. Set before Start.
+  using RegionHandler =
+      std::function<void(std::shared_ptr<Session>, const v1::VmmRegionRequest&, std::span<const int> fds, int reply_fd)>;
+  void SetRegionHandler(RegionHandler handler) { region_ = std::move(handler); }
   // Starts the channel thread (after Listen).
   Status Start();
   // Stops accepting new connections (drain); bound ones stay.
@@ -143,6 +158,13 @@ class SessionChannel {
   void RefuseBind(Conn& conn, const Status& why);
   Status HandleAdmin(std::string_view bytes, const PeerCred& peer);
   void HandleAttach(Conn& conn, std::string_view bytes);
+  void HandleRegion(Conn& conn, std::string_view bytes, std::span<const int> fds, bool truncated);
+  // An admitted request goes to `hand` with a duplicate of the connection
+  // (which the handler answers and closes); a refused one (or a failed
+  // duplicate) is logged through a throttle and answered with `refuse`.
+  // Either way the channel closes its end.
+  void HandOver(Conn& conn, Status admitted, const char* what, const std::function<void(int)>& hand,
+                const std::function<void(int, const Status&)>& refuse);
   void CloseConn(int fd);
   void Wake();
 
@@ -152,6 +174,7 @@ class SessionChannel {
   SessionChannelLimits limits_;
   AdminHandler admin_;
   AttachHandler attach_;
+  RegionHandler region_;
 
   int listen_fd_ = -1;
   bool created_ = false;  // we bound the socket file, so Stop removes it
@@ -175,5 +198,7 @@ class SessionChannel {
 Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_bytes, int fd);
 // Sends `reply` with `status` written into it (and `fd` when >= 0).
 Status SendAttachReply(int sock, const Status& status, v1::StoreAttachReply reply, int fd);
+// Sends VmmRegionReply{status, region_id, mapped_bytes}.
+Status SendRegionReply(int sock, const Status& status, uint64_t region_id, uint64_t mapped_bytes);
 
 }  // namespace cache_dit_opd

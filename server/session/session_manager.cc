@@ -214,15 +214,51 @@ Status SessionManager::AdmitAttach(std::string_view bytes, const PeerCred& peer,
                             " bytes (1 to ", v1::kMaxStoreNameBytes, ") and reserved ", req.reserved);
   }
   std::shared_ptr<Session> s;
-  OPD_RETURN_IF_ERROR(Authorize(req.session_id,
-                                std::string_view(reinterpret_cast<const char*>(req.token), sizeof(req.token)),
+  OPD_RETURN_IF_ERROR(AdmitBoundPeer(req.session_id, req.token, peer, &s));
+  name->assign(req.name, req.name_bytes);
+  *out = std::move(s);
+  return Status::Ok();
+}
+
+Status SessionManager::AdmitVmmRegion(std::string_view bytes, size_t fds, const PeerCred& peer,
+                                      std::shared_ptr<Session>* out, v1::VmmRegionRequest* req) const {
+  if (bytes.size() != sizeof(v1::VmmRegionRequest)) {
+    return Status::Rejected(Reason::kMalformed, "region request is ", bytes.size(), " bytes, expected ",
+                            sizeof(v1::VmmRegionRequest));
+  }
+  std::memcpy(req, bytes.data(), sizeof(*req));
+  if (req->magic != v1::kVmmRegionMagic) {
+    return Status::Rejected(Reason::kMalformed, "a ", sizeof(*req), "-byte message that is not a region request (magic 0x",
+                            std::hex, req->magic, ")");
+  }
+  if (req->protocol_version != v1::kProtocolVersion) {
+    return Status::Rejected(Reason::kVersionMismatch, "region request of protocol version ", req->protocol_version,
+                            ", this daemon speaks ", v1::kProtocolVersion);
+  }
+  if (req->chunk_count == 0 || req->chunk_count > v1::kMaxVmmChunks || req->chunk_count != fds || req->reserved != 0) {
+    return Status::Rejected(Reason::kMalformed, "region request of ", req->chunk_count, " chunks (1 to ",
+                            v1::kMaxVmmChunks, ") with ", fds, " descriptors and reserved ", req->reserved);
+  }
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < req->chunk_count; ++i) {
+    if (req->chunk_bytes[i] == 0 || __builtin_add_overflow(total, req->chunk_bytes[i], &total)) {
+      return Status::Rejected(Reason::kMalformed, "region request: chunk ", i, " of ", req->chunk_bytes[i],
+                              " bytes (0, or the run's total overflows)");
+    }
+  }
+  return AdmitBoundPeer(req->session_id, req->token, peer, out);
+}
+
+Status SessionManager::AdmitBoundPeer(uint64_t session_id, const uint8_t (&token)[v1::kTokenBytes],
+                                      const PeerCred& peer, std::shared_ptr<Session>* out) const {
+  std::shared_ptr<Session> s;
+  OPD_RETURN_IF_ERROR(Authorize(session_id, std::string_view(reinterpret_cast<const char*>(token), sizeof(token)),
                                 /*require_bound=*/true, &s));
   // The token alone is not enough: only the process that bound the session.
   if (peer.pid != s->peer().pid || peer.uid != s->peer().uid) {
-    return Status::Rejected(Reason::kPeerRefused, "session ", req.session_id, " was bound by pid ", s->peer().pid,
-                            " uid ", s->peer().uid, "; pid ", peer.pid, " uid ", peer.uid, " may not attach for it");
+    return Status::Rejected(Reason::kPeerRefused, "session ", session_id, " was bound by pid ", s->peer().pid, " uid ",
+                            s->peer().uid, "; pid ", peer.pid, " uid ", peer.uid, " may not use it");
   }
-  name->assign(req.name, req.name_bytes);
   *out = std::move(s);
   return Status::Ok();
 }

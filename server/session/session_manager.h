@@ -9,9 +9,10 @@
 //             bind hook then runs (the daemon starts the session's ring
 //             consumer there).
 //   Authorize every session-scoped RPC: token size, id, token, bound.
-//   AdmitAttach the session channel's StoreAttachRequest plus SO_PEERCRED:
-//             the message, then Authorize, then the peer must be the
-//             process that bound the session (pid and uid).
+//   AdmitAttach, AdmitVmmRegion
+//             the session channel's StoreAttachRequest / VmmRegionRequest
+//             plus SO_PEERCRED: the message, then Authorize, then the peer
+//             must be the process that bound the session (pid and uid).
 //   End       removes the session at once (later RPCs: NOT_FOUND) and hands
 //             it to the end hook (the daemon drops its queued calls, waits
 //             for its lanes to drain on the reaper, then unmaps).
@@ -97,6 +98,16 @@ class SessionManager {
   Status AdmitAttach(std::string_view bytes, const PeerCred& peer, std::shared_ptr<Session>* out,
                      std::string* name) const;
 
+  // SessionManager::AdmitVmmRegion
+  //
+  // `bytes` is the channel message as received, `fds` how many descriptors
+  // came with it. MALFORMED (size, magic, chunk_count outside
+  // 1..kMaxVmmChunks or unequal to `fds`, a chunk of 0 bytes, chunks whose
+  // total overflows, reserved != 0), VERSION_MISMATCH, then AdmitAttach's
+  // session and peer rules. On success the session and the request.
+  Status AdmitVmmRegion(std::string_view bytes, size_t fds, const PeerCred& peer, std::shared_ptr<Session>* out,
+                        v1::VmmRegionRequest* req) const;
+
   // Session-scoped RPC check; `require_bound` false only for CloseSession.
   Status Authorize(uint64_t session_id, std::string_view token, bool require_bound,
                    std::shared_ptr<Session>* out) const;
@@ -119,6 +130,10 @@ class SessionManager {
   uint32_t bind_timeout_ms() const { return limits_.bind_timeout_ms; }
 
  private:
+  // Authorize (bound) and the peer is the process that bound the session.
+  Status AdmitBoundPeer(uint64_t session_id, const uint8_t (&token)[v1::kTokenBytes], const PeerCred& peer,
+                        std::shared_ptr<Session>* out) const;
+
   const SessionLimits limits_;
   const int device_;
   const std::string gpu_uuid_;

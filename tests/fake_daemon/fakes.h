@@ -9,6 +9,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -263,6 +264,27 @@ class FakeRegionOpener : public RegionOpener {
     if (--open[base] == 0) open.erase(base);
     ++closes;
   }
+  // Chunks: each descriptor must hold at least its chunk's bytes (a memfd in
+  // the tests and the Python client's FakeDriver); the base is a fake
+  // address, never dereferenced.
+  Status OpenChunks(std::span<const int> fds, std::span<const uint64_t> chunk_bytes, void** base,
+                    uint64_t* size) override {
+    uint64_t total = 0;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      struct stat st {};
+      if (fstat(fds[i], &st) != 0 || static_cast<uint64_t>(st.st_size) < chunk_bytes[i]) {
+        return Status::Rejected(Reason::kBadArgument, "chunk ", i, " of ", chunk_bytes[i],
+                                " bytes: fake cuMemMap: the descriptor holds ", st.st_size, " bytes");
+      }
+      total += chunk_bytes[i];
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    *base = reinterpret_cast<void*>(uintptr_t{0x7e0000000000} + (uintptr_t{++chunk_runs} << 32));
+    *size = total;
+    ++open[*base];
+    return Status::Ok();
+  }
+  void CloseChunks(void* base) override { Close(base); }
   int open_count() {
     std::lock_guard<std::mutex> lock(mu);
     int n = 0;
@@ -277,6 +299,7 @@ class FakeRegionOpener : public RegionOpener {
   std::map<void*, int> open;
   int opens = 0;
   int closes = 0;
+  uint64_t chunk_runs = 0;
 };
 
 class FakePrepared : public PreparedCall {

@@ -19,7 +19,10 @@
 //   % 4 == 1        an attach: the same bytes, control bit 0 making the
 //                   message a 568-byte StoreAttachRequest, then a byte of
 //                   name length that (with control bit 3) becomes
-//                   name_bytes with reserved 0;
+//                   name_bytes with reserved 0; with control bit 5 a
+//                   region request instead (a 3904-byte VmmRegionRequest),
+//                   that byte the count of descriptors said to come with it
+//                   and, with bit 3, its chunk_count (reserved 0);
 //   % 4 == 2        End the session (next byte) as CloseSession would;
 //   % 4 == 3        Tick past the bind deadline (drops unbound sessions).
 //
@@ -30,7 +33,9 @@
 // back that session bound to that peer, and runs the bind hook once. Every
 // AdmitAttach answers what its rules say (size, magic, version, name length
 // and reserved, session, token, bound, the bound peer's pid and uid) and,
-// admitted, hands back that session and the name's bytes.
+// admitted, hands back that session and the name's bytes; AdmitVmmRegion
+// likewise (chunk count against the descriptors, 1 .. kMaxVmmChunks, chunk
+// sizes non-zero without overflow, reserved) and hands back the request.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -80,6 +85,38 @@ struct Known {
   PeerCred bound_by;  // the peer of the successful bind
 };
 
+// The session rules AdmitAttach and AdmitVmmRegion share, after their message's own.
+std::optional<Reason> ExpectedBoundPeer(uint64_t session_id, const uint8_t* token_bytes, const PeerCred& peer,
+                                        const std::map<uint64_t, Known>& sessions) {
+  auto it = sessions.find(session_id);
+  if (it == sessions.end() || it->second.state == Model::kGone) return Reason::kSessionUnknown;
+  const SessionToken& token = it->second.session->token();
+  if (std::memcmp(token.data(), token_bytes, token.size()) != 0) return Reason::kBadToken;
+  if (it->second.state != Model::kBound) return Reason::kSessionUnbound;
+  if (peer.pid != it->second.bound_by.pid || peer.uid != it->second.bound_by.uid) return Reason::kPeerRefused;
+  return std::nullopt;
+}
+
+// What session_manager.h says AdmitVmmRegion answers; nullopt for admission.
+std::optional<Reason> ExpectedRegion(std::string_view bytes, size_t fds, const PeerCred& peer,
+                                     const std::map<uint64_t, Known>& sessions) {
+  if (bytes.size() != sizeof(v1::VmmRegionRequest)) return Reason::kMalformed;
+  v1::VmmRegionRequest req;
+  std::memcpy(&req, bytes.data(), sizeof(req));
+  if (req.magic != v1::kVmmRegionMagic) return Reason::kMalformed;
+  if (req.protocol_version != v1::kProtocolVersion) return Reason::kVersionMismatch;
+  if (req.chunk_count == 0 || req.chunk_count > v1::kMaxVmmChunks || req.chunk_count != fds || req.reserved != 0) {
+    return Reason::kMalformed;
+  }
+  unsigned __int128 total = 0;
+  for (uint32_t i = 0; i < req.chunk_count; ++i) {
+    if (req.chunk_bytes[i] == 0) return Reason::kMalformed;
+    total += req.chunk_bytes[i];
+  }
+  if (total > UINT64_MAX) return Reason::kMalformed;
+  return ExpectedBoundPeer(req.session_id, req.token, peer, sessions);
+}
+
 // What session_manager.h says AdmitAttach answers; nullopt for admission.
 std::optional<Reason> ExpectedAttach(std::string_view bytes, const PeerCred& peer,
                                      const std::map<uint64_t, Known>& sessions) {
@@ -89,13 +126,7 @@ std::optional<Reason> ExpectedAttach(std::string_view bytes, const PeerCred& pee
   if (req.magic != v1::kStoreAttachMagic) return Reason::kMalformed;
   if (req.protocol_version != v1::kProtocolVersion) return Reason::kVersionMismatch;
   if (req.name_bytes == 0 || req.name_bytes > v1::kMaxStoreNameBytes || req.reserved != 0) return Reason::kMalformed;
-  auto it = sessions.find(req.session_id);
-  if (it == sessions.end() || it->second.state == Model::kGone) return Reason::kSessionUnknown;
-  const SessionToken& token = it->second.session->token();
-  if (std::memcmp(token.data(), req.token, token.size()) != 0) return Reason::kBadToken;
-  if (it->second.state != Model::kBound) return Reason::kSessionUnbound;
-  if (peer.pid != it->second.bound_by.pid || peer.uid != it->second.bound_by.uid) return Reason::kPeerRefused;
-  return std::nullopt;
+  return ExpectedBoundPeer(req.session_id, req.token, peer, sessions);
 }
 
 // What session_manager.h says Bind answers; nullopt for success.
@@ -172,6 +203,38 @@ void Run(const uint8_t* data, size_t size) {
     const PeerCred peer{static_cast<pid_t>(100 + (who & 3)), (who & 4) ? kOwnUid : kOwnUid + 1,
                         (who & 8) ? kAllowedGid : kAllowedGid + 1,
                         (who & 16) ? std::vector<gid_t>{kAllowedGid + 7, kAllowedGid} : std::vector<gid_t>{}};
+    if (op % 4 == 1 && (control & 32)) {
+      std::string msg = in.Bytes((control & 1) ? sizeof(v1::VmmRegionRequest) : length % 97);
+      const uint8_t fds = in.Byte();
+      if (msg.size() == sizeof(v1::VmmRegionRequest)) {
+        v1::VmmRegionRequest req;
+        std::memcpy(&req, msg.data(), sizeof(req));
+        const Known& target = sessions[ids[(control >> 6) % ids.size()]];
+        if (control & 2) req.session_id = target.session->id();
+        if (control & 4) std::memcpy(req.token, target.session->token().data(), sizeof(req.token));
+        if (control & 8) {
+          req.magic = v1::kVmmRegionMagic;
+          req.protocol_version = v1::kProtocolVersion;
+          req.chunk_count = fds;
+          req.reserved = 0;
+        }
+        std::memcpy(msg.data(), &req, sizeof(req));
+      }
+      const std::optional<Reason> expected = ExpectedRegion(msg, fds, peer, sessions);
+      std::shared_ptr<Session> out;
+      v1::VmmRegionRequest got{};
+      const Status s = manager.AdmitVmmRegion(msg, fds, peer, &out, &got);
+      if (expected) {
+        OPD_FUZZ_CHECK(!s.ok() && s.reason() == *expected, "AdmitVmmRegion answered ", s.ToString(),
+                       "; the rules say ", ReasonName(*expected));
+        OPD_FUZZ_CHECK(out == nullptr, "a refused region request handed out a session");
+        continue;
+      }
+      OPD_FUZZ_CHECK(s.ok(), "AdmitVmmRegion refused a request the rules admit: ", s.ToString());
+      OPD_FUZZ_CHECK(std::memcmp(&got, msg.data(), sizeof(got)) == 0, "AdmitVmmRegion handed back another request");
+      OPD_FUZZ_CHECK(out == sessions[got.session_id].session, "AdmitVmmRegion handed back another session");
+      continue;
+    }
     if (op % 4 == 1) {
       std::string msg = in.Bytes((control & 1) ? sizeof(v1::StoreAttachRequest) : length % 97);
       const uint8_t name_length = in.Byte();
@@ -279,6 +342,13 @@ std::vector<std::string> Seeds() {
   };
   out.push_back(std::string{'\0', '\1'} + bind(0, own_pid0) + attach(0, own_pid0, 12) + attach(0, own_pid1, 12) +
                 attach(0, own_pid0, 0) + attach(1, own_pid1, 3));
+  // Region requests: admitted, a descriptor short, too many chunks.
+  auto region = [](uint8_t peer, uint8_t fds) {
+    return std::string{'\1', static_cast<char>(0x2F), static_cast<char>(peer), '\0'} +
+           std::string(sizeof(v1::VmmRegionRequest), '\x01') + std::string(1, static_cast<char>(fds));
+  };
+  out.push_back(std::string{'\0', '\0'} + bind(0, own_pid0) + region(own_pid0, 3) + region(own_pid0, 241) +
+                region(own_pid1, 2));
   return out;
 }
 

@@ -136,6 +136,9 @@ class FakeDriver:
         self.next_buffer_id = 1
         self.pointer_queries = 0
         self.mapped: dict[int, int] = {}  # base -> size
+        self.chunks: dict[int, list] = {}  # virtual memory: chunk base -> [size, buffer id]
+        self.exported = 0  # chunk descriptors handed out
+        self.no_descriptors = False  # chunks of an allocation made without the POSIX descriptor handle type
 
     def map_readonly(self, fd: int, size: int, device: int) -> int:
         import ctypes
@@ -159,22 +162,66 @@ class FakeDriver:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(ctypes.c_void_p(base), size)
 
-    def alloc(self, size: int, at: int | None = None, vmm: bool = False) -> int:
+    def alloc(self, size: int, at: int | None = None, vmm: bool = False, chunk: int = 2 << 20) -> int:
+        """A fake allocation; ``vmm``: virtual memory as PyTorch's expandable segments map it, chunks of
+        ``chunk`` bytes each with a buffer id of its own (``chunk_range``, ``buffer_id``, ``export_chunk_fd``)."""
         base = at if at is not None else self.next_base
         self.next_base = max(self.next_base, base + ((size + 0xFFFFF) & ~0xFFFFF) + 0x100000)
         self.allocs[base] = (size, self.next_buffer_id, not vmm)
         self.next_buffer_id += 1
+        if vmm:
+            for c in range(base, base + size, chunk):
+                self.chunks[c] = [min(chunk, base + size - c), self.next_buffer_id]
+                self.next_buffer_id += 1
         return base
 
     def free(self, base: int) -> None:
-        del self.allocs[base]
+        size = self.allocs.pop(base)[0]
+        for c in [c for c in self.chunks if base <= c < base + size]:
+            del self.chunks[c]
+
+    def _chunk(self, ptr: int):
+        for c, (size, cid) in self.chunks.items():
+            if c <= ptr < c + size:
+                return c, size, cid
+        return None
 
     def pointer_range(self, ptr: int):
         self.pointer_queries += 1
         for base, (size, bid, _) in self.allocs.items():
             if base <= ptr < base + size:
-                return base, size, bid
+                c = self._chunk(ptr)  # virtual memory: the reservation's range, the chunk's buffer id
+                return base, size, c[2] if c else bid
         return 0, 0, 0
+
+    def chunk_range(self, ptr: int):
+        c = self._chunk(ptr)
+        if c is None:
+            raise AssertionError(f"chunk_range(0x{ptr:x}): no chunk")
+        return c[0], c[1]
+
+    def buffer_id(self, ptr: int) -> int:
+        self.pointer_queries += 1
+        c = self._chunk(ptr)
+        return c[2] if c else self.pointer_range(ptr)[2]
+
+    def export_chunk_fd(self, ptr: int) -> int:
+        """A memfd of the chunk's size: what the fake daemon's OpenChunks checks (fstat)."""
+        base, size, _ = self._chunk(ptr)
+        if self.no_descriptors:
+            from cache_dit_opd._cuda_driver import CudaDriverError
+
+            raise CudaDriverError("cuMemExportToShareableHandle", 1, "CUDA_ERROR_INVALID_VALUE")
+        fd = os.memfd_create("fake-chunk", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        self.exported += 1
+        return fd
+
+    def remap(self, ptr: int) -> None:
+        """The chunk holding ``ptr`` unmapped and mapped again (torch's empty_cache, then growth): a new id."""
+        base, _, _ = self._chunk(ptr)
+        self.chunks[base][1] = self.next_buffer_id
+        self.next_buffer_id += 1
 
     def legacy_ipc_capable(self, ptr: int) -> bool:
         for base, (size, _, ok) in self.allocs.items():

@@ -107,14 +107,80 @@ def test_periodic_sweep_from_the_call_path(table, monkeypatch):
     assert not remote.live
 
 
-def test_vmm_memory_gets_a_clear_error(table):
-    t, drv, _ = table
+def test_vmm_memory_without_chunk_registration_gets_a_clear_error(table):
+    t, drv, _ = table  # a table without register_vmm
     base = drv.alloc(2 * MB, vmm=True)
     with pytest.raises(_regions.RegionExportError) as e:
         t.ref(base, 64)
     msg = str(e.value)
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in msg and "expandable_segments:True" in msg
+    assert "expandable_segments:False" in msg and "POSIX descriptor" in msg
     assert f"0x{base:x}" in msg
+
+
+class Runs(Remote):
+    """Stands in for the daemon's region requests of chunk runs too: what each carried."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = []
+
+    def register_vmm(self, chunks, fds):
+        import os
+
+        assert [os.fstat(fd).st_size for fd in fds] == [c[1] for c in chunks]  # one descriptor per chunk, in order
+        self.runs.append(list(chunks))
+        rid = self.next_id
+        self.next_id += 1
+        self.live[rid] = (chunks[0][0], sum(c[1] for c in chunks), None)
+        return rid
+
+
+@pytest.fixture
+def runs():
+    drv, remote = fx.FakeDriver(), Runs()
+    t = _regions.RegionTable(remote.register, remote.unregister, drv, device_index=0, register_vmm=remote.register_vmm)
+    yield t, drv, remote
+    t.close()
+
+
+def test_a_tensor_on_expandable_segments_is_the_run_of_chunks_it_covers(runs):
+    t, drv, remote = runs
+    base = drv.alloc(10 * MB, vmm=True)  # chunks of 2 MiB
+    rid, off = t.ref(base + 3 * MB, 2 * MB)  # chunks 1 and 2
+    assert remote.runs == [[(base + 2 * MB, 2 * MB, drv.chunks[base + 2 * MB][1]),
+                            (base + 4 * MB, 2 * MB, drv.chunks[base + 4 * MB][1])]]
+    assert off == MB and drv.exported == 2 and remote.registrations == 0  # no legacy export
+    # Inside the run: no registration, one query per chunk the view touches.
+    q = drv.pointer_queries
+    assert t.ref(base + 4 * MB + 64, 128) == (rid, 2 * MB + 64)
+    assert drv.pointer_queries == q + 1
+    # A view past the run is another run (its chunks 2..3).
+    rid2, off2 = t.ref(base + 5 * MB, 2 * MB)
+    assert rid2 != rid and off2 == MB and len(remote.runs) == 2
+
+
+def test_a_chunk_mapped_again_is_never_sent_as_the_old_run(runs):
+    t, drv, remote = runs
+    base = drv.alloc(6 * MB, vmm=True)
+    rid, _ = t.ref(base, 4 * MB)
+    drv.remap(base + 2 * MB)  # torch unmapped chunk 1 and mapped it again: other memory
+    assert t.ref(base + 2 * MB, 64)[0] != rid
+    assert rid not in remote.live  # unregistered
+    rid2, _ = t.ref(base, 4 * MB)
+    drv.remap(base)
+    t._next_sweep = 0
+    t.maybe_sweep()  # the sweep finds runs with a chunk mapped again
+    assert rid2 not in remote.live
+
+
+def test_runs_are_bounded_and_need_descriptors(runs):
+    t, drv, _ = runs
+    base = drv.alloc(250 * 2 * MB, vmm=True)
+    with pytest.raises(_regions.RegionExportError, match="spans more than 240 virtual-memory chunks"):
+        t.ref(base, 241 * 2 * MB)
+    drv.no_descriptors = True
+    with pytest.raises(_regions.RegionExportError, match=r"gives no POSIX descriptor .*expandable_segments:False"):
+        t.ref(base, 64)
 
 
 def test_not_device_memory(table):

@@ -19,6 +19,7 @@ from cache_dit_opd import _attn, _comm, _errors, _session, _wire
 from cache_dit_opd._errors import CatalogSkewError, DaemonUnavailableError
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+MB = 1 << 20
 
 
 @pytest.fixture
@@ -100,6 +101,41 @@ def test_a_rejected_call_raises_value_error_and_the_session_goes_on(daemon):
     c.run("fp8_comm_per_token_quant", c.quant())
     st = session_stats(c)
     assert st.calls == 1 and st.errors == 1
+
+
+def test_tensors_on_expandable_segments_travel_as_runs_of_chunks_the_daemon_maps(daemon):
+    """Virtual memory (PyTorch's expandable segments): each tensor's chunks go to the daemon as descriptors over
+    the session channel (the fake daemon checks each holds its chunk's bytes); the region is the run, mapped
+    bytes counted; a chunk mapped again is registered anew, a descriptor too small for its chunk is refused
+    naming it, and the session goes on."""
+    c = Client(daemon)
+    base = c.drv.alloc(8 * MB, vmm=True)
+    x = fx.DeviceTensor(base + 2 * MB - 64 * 2, (4, 64), BF16)  # spans chunks 0 and 1
+    out = fx.DeviceTensor(base + 4 * MB, (4, 66), FP8)
+    c.run("fp8_comm_per_token_quant", [x, out])
+    st = session_stats(c)
+    assert (st.calls, st.errors, st.regions, st.mapped_bytes) == (1, 0, 2, 3 * 2 * MB)
+    assert c.drv.exported == 3
+    c.run("fp8_comm_per_token_quant", [x, out])  # the same runs again: nothing new exported
+    assert c.drv.exported == 3
+    c.drv.remap(base + 4 * MB)
+    c.run("fp8_comm_per_token_quant", [x, out])
+    st = session_stats(c)
+    assert (st.calls, st.regions, c.drv.exported) == (3, 2, 4)  # the stale run unregistered, the new one mapped
+    small = c.drv.alloc(4 * MB, vmm=True)
+    real_export = c.drv.export_chunk_fd
+
+    def short_fd(ptr):
+        fd = real_export(ptr)
+        os.ftruncate(fd, 4096)  # holds less than its chunk
+        return fd
+
+    c.drv.export_chunk_fd = short_fd
+    with pytest.raises(ValueError, match=r"chunk 0 of 2097152 bytes: fake cuMemMap: the descriptor holds 4096 bytes"):
+        c.run("fp8_comm_per_token_quant", [fx.DeviceTensor(small, (4, 64), BF16), out])
+    c.drv.export_chunk_fd = real_export
+    assert c.s.failed is None and daemon.alive()
+    c.run("fp8_comm_per_token_quant", [x, out])
 
 
 class _RecordingStub:

@@ -452,7 +452,7 @@ def test_only_the_process_that_bound_the_session_attaches_for_it(daemon, tmp_pat
         assert r.returncode == 0, r.stderr
         n, reason, message = r.stdout.split(" ", 2)
         assert (int(n), int(reason)) == (0, _wire.REASONS["PEER_REFUSED"][0]), r.stdout
-        assert f"was bound by pid {os.getpid()}" in message and "may not attach for it" in message, message
+        assert f"was bound by pid {os.getpid()}" in message and "may not use it" in message, message
         assert store.attach_block("p/ff.qweight", session=s)[0] is not None  # the owner still can
     finally:
         s.close()

@@ -21,6 +21,13 @@
 //                                   a file descriptor of its set's block
 //                                   (SCM_RIGHTS); then the daemon closes
 //                                   the connection
+//   or, on a connection of its own, a bound session's process registering
+//   client memory that legacy IPC cannot export (CUDA virtual memory:
+//   PyTorch's expandable segments):
+//   client -> daemon, one message:  VmmRegionRequest (3904 bytes) with one
+//                                   POSIX descriptor per chunk (SCM_RIGHTS)
+//   daemon -> client, one message:  VmmRegionReply (280 bytes); then the
+//                                   daemon closes the connection
 // A connection refused before its message is read (too many connections
 // waiting, no message in time) is answered with a BindReply whatever it was
 // going to send: a client reads a BindReply-sized answer as that refusal.
@@ -28,8 +35,9 @@
 // its gid equals --allowed-gid) and its pid equals OpenSession's client_pid
 // (the pid the peer has in its own PID namespace: /proc/<pid>/status NSpid).
 // An AdminRequest is admitted from root and the daemon's own uid only.
-// A StoreAttachRequest is admitted from the process that bound the session
-// (the same SO_PEERCRED pid and uid), with the session's token.
+// A StoreAttachRequest or VmmRegionRequest is admitted from the process that
+// bound the session (the same SO_PEERCRED pid and uid), with the session's
+// token.
 // The bind's connection then stays open for the life of the session: when
 // either side closes it, the session ends at once (client death is noticed
 // here).
@@ -141,6 +149,42 @@ struct StoreAttachReply {
   char message[256];          // NUL-terminated, for people, when status_code != 0
 };
 static_assert(sizeof(StoreAttachReply) == 384);
+
+// Registering a run of CUDA virtual-memory chunks of the client as one
+// region: the client's mapping of consecutive physical allocations (each a
+// cuMemCreate allocation exported with cuMemExportToShareableHandle as a
+// POSIX descriptor), which the daemon imports and maps contiguously, in
+// order, read-write on its device. The region is the run, `client_base` its
+// first byte in the client; a tensor in it travels as (region_id, its
+// offset from client_base), like any region. Chunks a client has unmapped
+// and mapped again are other physical memory: the client keeps each chunk's
+// buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID) to tell, and the ids are the
+// run's key in the session with client_base (the same key answers the same
+// region).
+inline constexpr uint32_t kVmmRegionMagic = 0x4D4D5652u;      // "RVMM"
+inline constexpr uint32_t kMaxVmmChunks = 240;                // within one SCM_RIGHTS message's 253
+
+struct VmmRegionRequest {
+  uint32_t magic;             // kVmmRegionMagic
+  uint32_t protocol_version;  // kProtocolVersion
+  uint64_t session_id;
+  uint8_t token[kTokenBytes];
+  uint64_t client_base;       // the run's first byte in the client
+  uint32_t chunk_count;       // 1 .. kMaxVmmChunks: as many descriptors, in order
+  uint32_t reserved;          // 0
+  uint64_t chunk_bytes[kMaxVmmChunks];  // each chunk's size (a multiple of the device's granularity)
+  uint64_t chunk_ids[kMaxVmmChunks];    // each chunk's buffer id in the client
+};
+static_assert(sizeof(VmmRegionRequest) == 3904);
+
+struct VmmRegionReply {
+  int32_t status_code;        // google.rpc.Code; 0 = registered
+  uint32_t reason;            // wire.h Reason when status_code != 0
+  uint64_t region_id;
+  uint64_t mapped_bytes;      // the run's bytes, as mapped
+  char message[256];          // NUL-terminated, for people, when status_code != 0
+};
+static_assert(sizeof(VmmRegionReply) == 280);
 
 struct SessionMemoryHeader {
   uint32_t magic;            // kSessionMemoryMagic

@@ -78,6 +78,12 @@ class FakeAllocations final : public AllocationBackend {
     std::memcpy(handle->data(), fields, sizeof(fields));
     return Status::Ok();
   }
+  Status ChunkId(const void* ptr, uint64_t* buffer_id) override {
+    AllocationInfo a;
+    OPD_RETURN_IF_ERROR(Lookup(ptr, &a));
+    *buffer_id = a.buffer_id;
+    return Status::Ok();
+  }
 
  private:
   std::vector<Range> ranges_;

@@ -128,6 +128,16 @@ struct FakeBackend : AllocationBackend {
     h->fill(static_cast<uint8_t>(a.buffer_id));
     return Status::Ok();
   }
+  // Chunks of a run: ids by chunk base (what a VMM chunk's BUFFER_ID reads).
+  std::map<uint64_t, uint64_t> chunk_ids;
+  int chunk_queries = 0;
+  Status ChunkId(const void* ptr, uint64_t* id) override {
+    ++chunk_queries;
+    auto it = chunk_ids.find(reinterpret_cast<uint64_t>(ptr));
+    if (it == chunk_ids.end()) return Status::InvalidArgument("no chunk");
+    *id = it->second;
+    return Status::Ok();
+  }
   void Alloc(uint64_t base, uint64_t size, uint64_t id, int device = 0) { live[base] = {base, size, id, device}; }
   void Free(uint64_t base) { live.erase(base); }
 };
@@ -262,6 +272,27 @@ TEST_F(RegionCacheTest, AFixedRangeIsFoundWithoutTheDriverUntilDropped) {
   cache.Drop(0x200000);
   EXPECT_FALSE(cache.Find(P(0x200000), 8, &r));
   EXPECT_EQ(cache.size(), 0u);
+}
+
+TEST_F(RegionCacheTest, ARunOfChunksIsFoundWhileEveryTouchedChunkKeepsItsId) {
+  // Three 2 MiB chunks of an expandable segment, registered as one region.
+  const uint64_t mb2 = 2 << 20, base = 0x300000000;
+  backend.chunk_ids = {{base, 11}, {base + mb2, 12}, {base + 2 * mb2, 13}};
+  cache.AddRun({{base, mb2, 11}, {base + mb2, mb2, 12}, {base + 2 * mb2, mb2, 13}}, 42);
+  ResolvedRegion r;
+  ASSERT_TRUE(cache.Find(P(base + mb2 - 16), 32, &r));  // spans chunks 0 and 1
+  EXPECT_EQ(r.region_id, 42u);
+  EXPECT_EQ(r.alloc.base, base);
+  EXPECT_EQ(r.alloc.size, 3 * mb2);
+  EXPECT_EQ(backend.chunk_queries, 2);  // one per chunk touched
+  EXPECT_EQ(backend.lookups, 0);
+  EXPECT_FALSE(cache.Find(P(base + 3 * mb2 - 8), 16, &r));  // runs past the run
+  backend.chunk_ids[base + 2 * mb2] = 99;                   // chunk 2 unmapped and mapped again
+  EXPECT_TRUE(cache.Find(P(base), 64, &r));                 // chunk 0 is still the registered one
+  EXPECT_FALSE(cache.Find(P(base + 2 * mb2 + 8), 8, &r));   // chunk 2 is not
+  cache.Drop(base);
+  backend.chunk_ids[base + 2 * mb2] = 13;
+  EXPECT_FALSE(cache.Find(P(base), 8, &r));
 }
 
 TEST_F(RegionCacheTest, FailedRegistrationIsNotCached) {

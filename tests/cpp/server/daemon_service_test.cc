@@ -625,5 +625,87 @@ TEST_F(DaemonServiceTest, PublishedTensorsAreAttachedAsOneReadOnlyBlockThroughTh
   munmap(b.memory, b.bytes);
 }
 
+// A run of a client's virtual-memory chunks (PyTorch's expandable
+// segments), registered over the session channel with one descriptor per
+// chunk: one region of the run's bytes, counted as mapped, usable by calls,
+// the same region for the same run; malformed requests are refused.
+TEST_F(DaemonServiceTest, ChunkRunsAreRegisteredThroughTheChannelWithTheirDescriptors) {
+  StartDaemon(/*with_gpu=*/true);
+  Bound b = OpenAndBind(1);
+  auto chunk = [](uint64_t bytes) {
+    int fd = memfd_create("chunk", MFD_CLOEXEC);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    return fd;
+  };
+  auto request = [&](std::vector<uint64_t> sizes, std::vector<int> fds, uint32_t count) {
+    v1::VmmRegionRequest req{};
+    req.magic = v1::kVmmRegionMagic;
+    req.protocol_version = v1::kProtocolVersion;
+    req.session_id = b.id;
+    std::memcpy(req.token, b.token.data(), v1::kTokenBytes);
+    req.client_base = 0x300000000;
+    req.chunk_count = count;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      req.chunk_bytes[i] = sizes[i];
+      req.chunk_ids[i] = 100 + i;
+    }
+    const int sock = testing::ConnectSeqpacket(dir_.File("d.session.sock"));
+    iovec iov{&req, sizeof(req)};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+    if (!fds.empty()) {
+      msg.msg_control = control.data();
+      msg.msg_controllen = control.size();
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    EXPECT_EQ(sendmsg(sock, &msg, 0), static_cast<ssize_t>(sizeof(req)));
+    for (int fd : fds) close(fd);
+    v1::VmmRegionReply reply{};
+    EXPECT_EQ(recv(sock, &reply, sizeof(reply), 0), static_cast<ssize_t>(sizeof(reply)));
+    close(sock);
+    return reply;
+  };
+  const uint64_t mb2 = 2 << 20;
+  v1::VmmRegionReply r = request({mb2, mb2}, {chunk(mb2), chunk(mb2)}, 2);
+  ASSERT_EQ(r.status_code, 0) << r.message;
+  EXPECT_NE(r.region_id, 0u);
+  EXPECT_EQ(r.mapped_bytes, 2 * mb2);
+  EXPECT_EQ(request({mb2, mb2}, {chunk(mb2), chunk(mb2)}, 2).region_id, r.region_id);  // the same run
+  {
+    std::shared_ptr<Session> s;
+    ASSERT_TRUE(daemon_->sessions().Authorize(b.id, b.token, true, &s).ok());
+    MappedRegion m;
+    ASSERT_TRUE(s->regions().Resolve(r.region_id, &m).ok());
+    EXPECT_FALSE(m.read_only);
+    EXPECT_EQ(m.size, 2 * mb2);
+    EXPECT_EQ(s->regions().counts().mapped_bytes, 2 * mb2);
+    EXPECT_EQ(opener_.chunk_runs, 1u);  // mapped once
+  }
+  std::atomic_ref<uint64_t>(b.lane(0)->inputs_ready).store(1);
+  ASSERT_TRUE(Call(b, 0, 1, r.region_id).ok());
+  EXPECT_TRUE(DoneReaches(b, 0, 1));
+
+  v1::VmmRegionReply bad = request({mb2, mb2}, {chunk(mb2)}, 2);  // one descriptor for two chunks
+  EXPECT_EQ(bad.reason, static_cast<uint32_t>(Reason::kMalformed));
+  EXPECT_NE(std::string(bad.message).find("2 chunks (1 to 240) with 1 descriptors"), std::string::npos) << bad.message;
+  bad = request({mb2}, {chunk(4096)}, 1);  // a descriptor smaller than its chunk
+  EXPECT_EQ(bad.reason, static_cast<uint32_t>(Reason::kBadArgument));
+  EXPECT_NE(std::string(bad.message).find("chunk 0 of 2097152 bytes"), std::string::npos) << bad.message;
+  bad = request({0}, {chunk(4096)}, 1);
+  EXPECT_EQ(bad.reason, static_cast<uint32_t>(Reason::kMalformed));
+
+  // The session ends: its runs are unmapped with its regions.
+  close(b.channel_fd);
+  for (int i = 0; i < 300 && opener_.open_count() > 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(opener_.open_count(), 0);
+  munmap(b.memory, b.bytes);
+}
+
 }  // namespace
 }  // namespace cache_dit_opd

@@ -240,9 +240,9 @@ TEST_F(RegionRegistryTest, ASharedRegionIsReadOnlyOpensNothingAndHoldsItsKeepAli
   RegionRegistry::Registered a, b;
   {
     auto first = Tracked(&alive), second = Tracked(&alive);
-    ASSERT_TRUE(reg->RegisterShared("store-block:7", block, sizeof(block), {first}, &a).ok());
-    ASSERT_TRUE(reg->RegisterShared("store-block:7", block, sizeof(block), {first}, &b).ok());  // held once
-    ASSERT_TRUE(reg->RegisterShared("store-block:7", block, sizeof(block), {first, second}, &b).ok());
+    ASSERT_TRUE(reg->RegisterLent("store-block:7", block, sizeof(block), {}, {first}, &a).ok());
+    ASSERT_TRUE(reg->RegisterLent("store-block:7", block, sizeof(block), {}, {first}, &b).ok());  // held once
+    ASSERT_TRUE(reg->RegisterLent("store-block:7", block, sizeof(block), {}, {first, second}, &b).ok());
   }
   EXPECT_EQ(b.region_id, a.region_id);
   EXPECT_TRUE(b.reused);
@@ -265,7 +265,7 @@ TEST_F(RegionRegistryTest, ASharedRegionIsReadOnlyOpensNothingAndHoldsItsKeepAli
   EXPECT_EQ(reg->ReleaseCompleted(), 0u);
   EXPECT_EQ(alive, 0);
   EXPECT_EQ(opener_.closes, 0);
-  EXPECT_EQ(reg->RegisterShared(std::string(kIpcHandleBytes, 's'), block, 1, {Tracked(&alive)}, &a).code(),
+  EXPECT_EQ(reg->RegisterLent(std::string(kIpcHandleBytes, 's'), block, 1, {}, {Tracked(&alive)}, &a).code(),
             StatusCode::kInternal);  // a key never looks like a handle
 }
 
@@ -275,17 +275,41 @@ TEST_F(RegionRegistryTest, SharedRegionsCountAgainstTheRegionLimitAndAreEvictedW
   char block[64];
   RegionRegistry::Registered a, b, c;
   ASSERT_TRUE(reg->Register(Handle(90), 0, &a).ok());
-  ASSERT_TRUE(reg->RegisterShared("store-block:1", block, sizeof(block), {Tracked(&alive)}, &b).ok());
+  ASSERT_TRUE(reg->RegisterLent("store-block:1", block, sizeof(block), {}, {Tracked(&alive)}, &b).ok());
   MappedRegion m;
   ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 1, &m).ok());  // a is busy
-  ASSERT_TRUE(reg->RegisterShared("store-block:2", block, sizeof(block), {Tracked(&alive)}, &c).ok());
+  ASSERT_TRUE(reg->RegisterLent("store-block:2", block, sizeof(block), {}, {Tracked(&alive)}, &c).ok());
   EXPECT_EQ(alive, 1);  // the idle shared region made room
   EXPECT_EQ(reg->Resolve(b.region_id, &m).code(), StatusCode::kNotFound);
   ASSERT_TRUE(reg->ResolveForCall(c.region_id, 1, 1, &m).ok());
-  Status s = reg->RegisterShared("store-block:3", block, sizeof(block), {Tracked(&alive)}, &b);
+  Status s = reg->RegisterLent("store-block:3", block, sizeof(block), {}, {Tracked(&alive)}, &b);
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
   EXPECT_NE(s.message().find("--max-regions 2"), std::string::npos) << s.message();
   EXPECT_EQ(alive, 1);  // the refused keep-alive is not kept
+}
+
+TEST_F(RegionRegistryTest, AWritableLentRegionCountsItsBytesAndIsEvictedForThem) {
+  auto reg = Make(RegionLimits{16, 3u << 20});
+  int alive = 0;
+  char run[64];
+  const RegionRegistry::Lent chunks{.read_only = false, .counts_bytes = true};
+  RegionRegistry::Registered a, b;
+  ASSERT_TRUE(reg->RegisterLent("chunks:1", run, 2u << 20, chunks, {Tracked(&alive)}, &a).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->Resolve(a.region_id, &m).ok());
+  EXPECT_FALSE(m.read_only);
+  EXPECT_EQ(reg->counts().mapped_bytes, 2u << 20);
+  // 2 MiB more do not fit 3 MiB: the idle run is evicted (its keep-alive, the mapping, goes).
+  ASSERT_TRUE(reg->RegisterLent("chunks:2", run, 2u << 20, chunks, {Tracked(&alive)}, &b).ok());
+  EXPECT_EQ(alive, 1);
+  EXPECT_EQ(reg->counts().mapped_bytes, 2u << 20);
+  Status s = reg->RegisterLent("chunks:3", run, 4u << 20, chunks, {Tracked(&alive)}, &b);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("4194304 bytes exceeds --max-mapped-bytes"), std::string::npos) << s.message();
+  uint64_t id = 0;
+  EXPECT_TRUE(reg->FindLent("chunks:2", &id));
+  EXPECT_EQ(id, b.region_id);
+  EXPECT_FALSE(reg->FindLent("chunks:1", &id));
 }
 
 TEST_F(RegionRegistryTest, APinnedRegionIsReleasedOnlyAfterItsPinGoes) {
