@@ -33,8 +33,12 @@ std::string StoreRegionKey(uint64_t publish_id) { return "store-block:" + std::t
 // first byte in the client and each chunk's buffer id (a chunk mapped again
 // by the client is another chunk, with another id).
 std::string ChunkRunKey(const v1::VmmRegionRequest& req) {
-  std::string key = "chunks:" + std::to_string(req.client_base);
-  for (uint32_t i = 0; i < req.chunk_count; ++i) key += ":" + std::to_string(req.chunk_ids[i]);
+  std::string key = "chunks:";
+  key += std::to_string(req.client_base);
+  for (uint32_t i = 0; i < req.chunk_count; ++i) {
+    key += ':';
+    key += std::to_string(req.chunk_ids[i]);
+  }
   return key;
 }
 }  // namespace

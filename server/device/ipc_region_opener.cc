@@ -143,7 +143,7 @@ Status IpcRegionOpener::OpenChunks(std::span<const int> fds, std::span<const uin
     ~Undo() {
       if (!kept && p != 0) UnmapRun(api, p, mapped, total);
     }
-  } undo{api, total};
+  } undo{api, total, 0, {}, false};
   CUresult r = api->mem_address_reserve(&undo.p, total, 0, 0, 0);
   if (r != CUDA_SUCCESS) {
     return Status::Rejected(Reason::kResourceExhausted, "cuMemAddressReserve(", total, "): ", DriverErrorString(r));
