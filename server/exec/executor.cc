@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <limits>
 #include <thread>
 
 #include <sys/prctl.h>
@@ -146,6 +147,13 @@ void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t 
 }
 
 void Executor::DropSession(const std::shared_ptr<Session>& session, Status reason, std::function<void()> then) {
+  // Here, not on the executor's thread: that thread may be blocked in a
+  // launch onto this session's full lane stream, behind one of these waits.
+  if (session) {
+    for (uint32_t l = 0; l < session->lane_count(); ++l) {
+      session->memory().RaiseInputsReady(l, std::numeric_limits<uint64_t>::max());
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     commands_.push_back(Command{session, std::move(reason), std::move(then)});
@@ -350,6 +358,12 @@ bool Executor::RunReady() {
     LaneQueue& q = qit->second;
     Lane& lane = *q.lane;
     Session& session = *q.session;
+    if (session.state() == SessionState::kClosed) {
+      // Ended: its DropSession (on its way) completes these. Not launched
+      // now: DropSession raised its inputs_ready, not its client.
+      ++qit;
+      continue;
+    }
     if (!dead) {
       for (Item& item : q.items) {
         if (!item.validated) {
@@ -375,8 +389,14 @@ bool Executor::RunReady() {
       // Inputs not visibly ready: launch ahead behind a GPU wait if the lane
       // holds (or gets) a parking slot, else leave it to the host check. A
       // host-ordered call's inputs were ready before it was sent.
-      const bool wait_on_gpu =
-          !item.req.host_ordered && session.memory().InputsReady(lane.index) < item.req.seq;
+      const uint64_t ready = session.memory().InputsReady(lane.index);
+      // Read after `ready`: DropSession raises inputs_ready only after the
+      // session was closed, so a raised value is never taken for real inputs.
+      if (session.state() == SessionState::kClosed) break;
+      const bool wait_on_gpu = !item.req.host_ordered && ready < item.req.seq;
+      // At most max_calls_ahead calls behind the wait (a full stream queue
+      // would block this thread's launches for every session).
+      if (wait_on_gpu && item.req.seq - ready > static_cast<uint64_t>(options_.max_calls_ahead)) break;
       if (wait_on_gpu && !Park(q, item.req.seq)) break;
       const Clock::time_point run_start = Clock::now();
       bool sticky = false;

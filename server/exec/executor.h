@@ -25,13 +25,21 @@
 //     (measured on the H200: 8 parked with 32 connections block none of 88
 //     other streams, 31 block 49 of 65; bench/probes/stream_queues.cu). A
 //     call whose inputs the host already sees ready gets no wait.
+//   - Ahead, bounded in depth too: a lane has at most `max_calls_ahead`
+//     calls on the GPU beyond the inputs_ready the host sees; later ones wait
+//     in its queue. A CUDA launch blocks while its stream's command queue is
+//     full, and this thread launches for every session: a client that never
+//     signals must not be able to fill its lane stream. (On the H200, after
+//     a client was killed with 400 calls queued behind its wait, every later
+//     OpenSession timed out: a thread blocked in such a launch.)
 //   - Releasing a parked wait: when the session ends (closed, its client
-//     dead, dropped), its lanes' inputs_ready are raised from the host to
-//     every parked seq, so its calls run (on that client's own memory) and
-//     its lanes drain. A lane whose inputs_ready has not moved for
-//     `park_deadline` loses its slot when another lane needs one: it is
-//     released the same way and `on_stalled` is told (the daemon ends that
-//     session with INPUTS_STALLED).
+//     dead, dropped), DropSession raises its lanes' inputs_ready from the
+//     host, on the thread that ends it (the executor's thread may itself be
+//     blocked in a launch behind the wait), so its calls run (on that
+//     client's own memory) and its lanes drain. A lane whose inputs_ready
+//     has not moved for `park_deadline` loses its slot when another lane
+//     needs one: its wait is released to the parked seq and `on_stalled` is
+//     told (the daemon ends that session with INPUTS_STALLED).
 //   - After the kernel (or, for a call rejected by validation, in its place)
 //     the lane stream writes done = n, then the daemon-private copy (see
 //     server/session/session.h), so "done" reaches every seq in order, and a client
@@ -122,6 +130,9 @@ struct ExecutorOptions {
   // Lanes that may have a GPU wait on their client's inputs_ready parked at
   // once (--parking-slots); 0: every call waits for its inputs on the host.
   int parking_slots = 8;
+  // Calls a lane may have on the GPU beyond the inputs_ready the host sees
+  // (each is a wait, its launches and two writes in the stream's queue).
+  int max_calls_ahead = 32;
   // A lane whose inputs_ready has not moved for this long gives up its slot
   // (and its session) when another lane needs one (--park-deadline-ms).
   std::chrono::milliseconds park_deadline{2000};
@@ -171,9 +182,13 @@ class Executor {
 
   // Executor::DropSession
   //
-  // Completes every queued call of `session` with `reason`, enqueues one
-  // "done" write per lane covering them (in order after the lane's earlier
-  // work), then runs `then` on the executor thread.
+  // Raises the session's inputs_ready on every lane to the maximum (it will
+  // never signal again) on the calling thread, completes every queued call
+  // of `session` with `reason`, enqueues one "done" write per lane covering
+  // them (in order after the lane's earlier work), then runs `then` on the
+  // executor thread. Call it after the session's state is kClosed: from
+  // then on the executor launches none of its queued calls (the raised
+  // inputs_ready would otherwise let them run on inputs never written).
   void DropSession(const std::shared_ptr<Session>& session, Status reason, std::function<void()> then);
 
   // Drops every queued call of every session (drain deadline).

@@ -39,7 +39,10 @@ namespace cache_dit_opd::testing {
 // Device addresses are host addresses. A stream runs its work at once,
 // except behind a wait whose value is not reached yet: then what follows
 // (writes, and runs enqueued through Enqueue) stays queued, in order, until
-// a pump thread (started by the first such wait) sees the value.
+// a pump thread (started by the first such wait) sees the value. With
+// `max_queued` set, a stream holds at most that many queued operations and
+// enqueueing one more blocks the caller until the stream moves, as a CUDA
+// launch blocks on a full command queue.
 class FakeDeviceOps : public DeviceOps {
  public:
   ~FakeDeviceOps() override {
@@ -48,6 +51,7 @@ class FakeDeviceOps : public DeviceOps {
       pump_stop_ = true;
     }
     pump_cv_.notify_all();
+    room_cv_.notify_all();
     if (pump_.joinable()) pump_.join();
   }
   Status RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) override {
@@ -72,11 +76,13 @@ class FakeDeviceOps : public DeviceOps {
     streams.erase(stream);
     // What it still had queued never reads its (soon unmapped) memory.
     if (auto it = queued_.find(stream); it != queued_.end()) it->second.clear();
+    room_cv_.notify_all();
   }
   Status WaitValue64(void* stream, uint64_t address, uint64_t value, bool* sticky) override {
     (void)sticky;
-    std::lock_guard<std::mutex> lock(mu);
+    std::unique_lock<std::mutex> lock(mu);
     if (!streams.count(stream)) return Status::Internal("wait on unknown stream");
+    WaitForRoom(lock, stream);
     waits.push_back({stream, value});
     auto& q = queued_[stream];
     if (q.empty() && Load(address) >= value) return Status::Ok();
@@ -88,7 +94,8 @@ class FakeDeviceOps : public DeviceOps {
   // Runs `fn` in `stream`'s order: now, or once the waits before it pass.
   void Enqueue(void* stream, std::function<void()> fn) {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      std::unique_lock<std::mutex> lock(mu);
+      WaitForRoom(lock, stream);
       auto it = queued_.find(stream);
       if (it != queued_.end() && !it->second.empty()) {
         it->second.push_back(Op{0, 0, {}, std::move(fn), false});
@@ -106,8 +113,9 @@ class FakeDeviceOps : public DeviceOps {
   }
   Status WriteValue64(void* stream, std::span<const uint64_t> addrs, uint64_t value, bool* sticky) override {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      std::unique_lock<std::mutex> lock(mu);
       if (!streams.count(stream)) return Status::Internal("write on unknown stream");
+      WaitForRoom(lock, stream);
       writes.push_back({stream, value});
       if (sticky_after > 0 && writes.size() >= sticky_after) {
         if (sticky) *sticky = true;
@@ -163,6 +171,7 @@ class FakeDeviceOps : public DeviceOps {
   std::atomic<size_t> sticky_after{0};   // the n-th write (and every later one) fails with a sticky error; 0: never
   std::vector<std::pair<std::vector<uint64_t>, uint64_t>> held;
   std::atomic<bool> fail_register{false};
+  std::atomic<size_t> max_queued{0};  // operations a stream holds behind a wait; 0: unbounded
 
  private:
   struct Op {
@@ -172,6 +181,14 @@ class FakeDeviceOps : public DeviceOps {
     std::function<void()> run;              // an enqueued run
     bool is_wait;
   };
+  // Blocks (releasing `mu`) while `stream` holds max_queued operations.
+  void WaitForRoom(std::unique_lock<std::mutex>& lock, void* stream) {
+    room_cv_.wait(lock, [&] {
+      const size_t limit = max_queued.load();
+      auto it = queued_.find(stream);
+      return pump_stop_ || limit == 0 || it == queued_.end() || it->second.size() < limit;
+    });
+  }
   static uint64_t Load(uint64_t address) {
     return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(address)).load(std::memory_order_acquire);
   }
@@ -200,6 +217,7 @@ class FakeDeviceOps : public DeviceOps {
         }
         any = any || !q.empty();
       }
+      room_cv_.notify_all();
       if (!runs.empty()) {
         lock.unlock();
         for (auto& [q, fn] : runs) fn();
@@ -207,6 +225,7 @@ class FakeDeviceOps : public DeviceOps {
         for (auto& [q, fn] : runs) {
           if (!q->empty()) q->pop_front();  // DestroyStream may have cleared it
         }
+        room_cv_.notify_all();
         continue;
       }
       if (any) {
@@ -224,6 +243,7 @@ class FakeDeviceOps : public DeviceOps {
   }
   std::map<void*, std::deque<Op>> queued_;  // guarded by mu
   std::condition_variable pump_cv_;
+  std::condition_variable room_cv_;  // a stream's queue got shorter
   bool pump_stop_ = false;  // guarded by mu
   std::thread pump_;
 };

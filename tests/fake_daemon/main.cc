@@ -53,6 +53,7 @@ class FakeBackend final : public DeviceBackend {
     auto fake_ops = std::make_unique<testing::FakeDeviceOps>();
     fake_ops->hold_writes = Env("CACHE_DIT_OPD_FAKE_HOLD", "0") == "1";
     fake_ops->sticky_after = std::strtoul(Env("CACHE_DIT_OPD_FAKE_STICKY_AFTER", "0").c_str(), nullptr, 10);
+    fake_ops->max_queued = std::strtoul(Env("CACHE_DIT_OPD_FAKE_MAX_QUEUED", "0").c_str(), nullptr, 10);
     auto fake_opener = std::make_unique<testing::FakeRegionOpener>();
     fake_opener->decode_handles = true;
     *ops = std::move(fake_ops);

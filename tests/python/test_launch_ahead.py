@@ -28,6 +28,7 @@ class Client(Peer):
     def __init__(self, d):
         super().__init__(d)
         self.maps: dict[int, mmap.mmap] = {}
+        self.channels: dict[int, socket.socket] = {}
 
     def bound_mapped(self):
         r = self.open()
@@ -40,6 +41,7 @@ class Client(Peer):
         msg, fds, _, _ = socket.recv_fds(sock, _wire.BIND_REPLY_SIZE, 4)
         assert _layout.BIND_REPLY.unpack(msg)[0] == 0 and len(fds) == 1
         self.maps[r.session_id] = mmap.mmap(fds[0], r.shared_memory_bytes)
+        self.channels[r.session_id] = sock
         os.close(fds[0])
         return r
 
@@ -94,7 +96,7 @@ def test_a_stalled_client_loses_its_slot_and_its_session_and_the_other_runs(clie
     wait_for(lambda: client.d.stats().calls >= 1)
     client.call_seq(other, 1, client.quant_args(other))  # needs the only slot
     # Past the deadline the daemon releases the stalled wait (raising that client's own inputs_ready)...
-    wait_for(lambda: client.inputs_ready(stalled) == 1 and client.done(stalled) == 1)
+    wait_for(lambda: client.inputs_ready(stalled) >= 1 and client.done(stalled) == 1)
     # ...and ends its session.
     wait_for(lambda: client.d.stats().sessions_closed >= 1)
     err = rejected(lambda: client.call_seq(stalled, 2, client.quant_args(other)))
@@ -104,3 +106,33 @@ def test_a_stalled_client_loses_its_slot_and_its_session_and_the_other_runs(clie
     client.inputs_ready(other, 1)
     wait_for(lambda: client.done(other) == 1)
     assert client.d.alive()
+
+
+def test_a_client_that_never_signals_cannot_block_the_daemon_by_queueing_calls():
+    """A CUDA launch blocks while its stream's queue is full (the fake's streams here hold 96 operations), and
+    one thread launches for every session: calls behind a wait that never passes stay on the host beyond a
+    bound, so the other clients are served, and the client's death lets everything go."""
+    client = Client(fx.daemon(None, "--parking-slots", "2", env={"CACHE_DIT_OPD_FAKE_MAX_QUEUED": "96"}))
+    try:
+        stalled = client.bound_mapped()
+        args = client.quant_args(stalled)
+        n = 200
+        for seq in range(1, n + 1):
+            client.call_seq(stalled, seq, args)  # all accepted; its inputs never arrive
+        other = client.bound_mapped()
+        client.call_seq(other, 1, client.quant_args(other))
+        client.inputs_ready(other, 1)
+        wait_for(lambda: client.done(other) == 1)
+        assert client.done(stalled) == 0
+        # The stalled client dies (its session channel closes): the session ends, its calls run or are dropped,
+        # and "done" reaches every seq in order.
+        client.channels[stalled.session_id].close()
+        wait_for(lambda: client.done(stalled) == n)
+        third = client.bound_mapped()
+        client.call_seq(third, 1, client.quant_args(third))
+        client.inputs_ready(third, 1)
+        wait_for(lambda: client.done(third) == 1)
+        assert client.d.alive()
+    finally:
+        client.close()
+        client.d.stop()

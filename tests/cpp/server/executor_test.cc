@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <future>
+#include <limits>
 #include <thread>
 
 #include "tests/fake_daemon/fakes.h"
@@ -651,12 +652,72 @@ TEST_F(LaunchAheadTest, AnEndedSessionsParkedWaitsAreReleased) {
   // Its two slots are free: `other` takes one and goes to the GPU.
   ASSERT_TRUE(WaitUntil([&] { return WaitsOn(other->lane(0).stream) == 1; }));
   EXPECT_EQ(executor_->parked(), 1u);
-  EXPECT_EQ(dead->memory().InputsReady(0), 2u);
-  EXPECT_EQ(dead->memory().InputsReady(1), 1u);
+  // Raised past every seq: it will never signal again.
+  EXPECT_EQ(dead->memory().InputsReady(0), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(dead->memory().InputsReady(1), std::numeric_limits<uint64_t>::max());
   ASSERT_TRUE(WaitUntil([&] { return dead->Drained(); }));  // the lanes drain: its regions can go
   EXPECT_EQ(dead->memory().Done(0), 2u);
   EXPECT_EQ(dead->memory().Done(1), 1u);
   EXPECT_EQ(other->memory().Done(0), 0u);
+  SetInputsReady(*other, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return other->memory().Done(0) == 1; }));
+}
+
+// A CUDA launch blocks while its stream's command queue is full. A client
+// that never signals must not be able to fill its lane stream with calls
+// parked behind its wait: the executor (which launches for everyone) would
+// block in that launch.
+TEST_F(LaunchAheadTest, AClientThatNeverSignalsCannotFillItsLaneStream) {
+  ExecutorOptions o = Options(2, 10s);
+  Recreate(o);
+  // Three operations per call on the fake (wait, run, done write): the bound
+  // keeps a lane's queue below this.
+  device_.max_queued = 3 * o.max_calls_ahead + 8;
+  auto stalled = NewSession(1);
+  auto busy = NewSession(1);
+  Results r;
+  const int n = 4 * o.max_calls_ahead;
+  for (int i = 1; i <= n; ++i) executor_->Submit(stalled, Req(0, i), r.Slot(i));
+  ASSERT_TRUE(r.Wait(n));
+  for (int i = 1; i <= 3; ++i) executor_->Submit(busy, Req(0, i), r.Slot(1000 + i));
+  SetInputsReady(*busy, 0, 3);
+  ASSERT_TRUE(WaitUntil([&] { return busy->memory().Done(0) == 3; }));
+  EXPECT_EQ(WaitsOn(stalled->lane(0).stream), size_t(o.max_calls_ahead));  // the rest wait on the host
+  EXPECT_EQ(executor_->pending(), size_t(n - o.max_calls_ahead));
+  // Once the client signals, everything runs, in order.
+  SetInputsReady(*stalled, 0, n);
+  ASSERT_TRUE(WaitUntil([&] { return stalled->memory().Done(0) == uint64_t(n); }));
+  auto ran = runner_.ran_copy();
+  std::vector<uint64_t> seqs;
+  for (auto& c : ran) {
+    if (c.stream == stalled->lane(0).stream) seqs.push_back(c.seq);
+  }
+  ASSERT_EQ(seqs.size(), size_t(n));
+  for (int i = 0; i < n; ++i) EXPECT_EQ(seqs[i], uint64_t(i + 1));
+}
+
+// Even a launch blocked on a full queue (the queue shorter than the bound
+// above) does not keep a dead client's waits parked: the thread that ends
+// the session releases them, not the (blocked) executor thread.
+TEST_F(LaunchAheadTest, EndingASessionReleasesItsWaitsWhileTheExecutorIsBlockedInALaunch) {
+  device_.max_queued = 4;
+  auto dead = NewSession(1);
+  auto other = NewSession(1);
+  Results r;
+  for (int i = 1; i <= 8; ++i) executor_->Submit(dead, Req(0, i), r.Slot(i));
+  // The executor is now blocked enqueueing onto the dead client's full stream
+  // (three operations per call: the second call's run does not fit), so it
+  // answers nothing more until the stream moves.
+  ASSERT_TRUE(WaitUntil([&] { return WaitsOn(dead->lane(0).stream) >= 2; }));
+  std::this_thread::sleep_for(20ms);
+  dead->set_state(SessionState::kClosed);
+  std::promise<void> then;
+  executor_->DropSession(dead, Status::Cancelled("client died"), [&] { then.set_value(); });
+  ASSERT_EQ(then.get_future().wait_for(5s), std::future_status::ready);
+  ASSERT_TRUE(r.Wait(8));  // each call answered: accepted before, or dropped
+  ASSERT_TRUE(WaitUntil([&] { return dead->Drained(); }));
+  EXPECT_EQ(dead->memory().Done(0), 8u);
+  executor_->Submit(other, Req(0, 1), r.Slot(100));
   SetInputsReady(*other, 0, 1);
   ASSERT_TRUE(WaitUntil([&] { return other->memory().Done(0) == 1; }));
 }
