@@ -65,6 +65,15 @@ def _load_references():
     return ref, sq
 
 
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log (a worker's error), or a note that there is none."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "(empty log)"
+
 class Cases:
     """Random calls of every op: ``next(rng) -> (op, args, bad, check)``; ``check(got)`` raises on a wrong result.
 
@@ -550,9 +559,11 @@ class Soak:
             elif el >= next_kill:
                 next_kill += a.kill_every
                 # Not next to a daemon restart (the kill would count in its recovery), and not while the GPU
-                # is full (the restarted worker could not create its CUDA context).
+                # is full or about to be (the restarted worker could not create its CUDA context: the runs of
+                # 2026-12-04 killed a worker in the second the fill started).
                 quiet = not any(abs(el - r["t"]) < 10 for r in self.restarts) and (
-                    fill is None or "end" in self.fills[-1] and time.time() > self.fills[-1]["end"] + 5)
+                    fill_at - el > 10 if fill is None
+                    else "end" in self.fills[-1] and time.time() > self.fills[-1]["end"] + 5)
                 if quiet and self.daemon.alive():
                     try:
                         self.kill_worker(now)
@@ -568,7 +579,8 @@ class Soak:
                 self.fills[-1].update(end=time.time(), exit=fill.returncode)
             for idx, p in list(self.workers.items()):
                 if p.poll() is not None:
-                    self.findings.append(f"worker {idx} (pid {p.pid}) exited by itself with status {p.returncode}")
+                    self.findings.append(f"worker {idx} (pid {p.pid}) exited by itself with status {p.returncode}: "
+                                         + last_line(self.work / f"w{idx}.log"))
                     self.spawn_worker(idx)
             if not self.daemon.alive():
                 self.findings.append(f"the daemon exited outside the schedule (status {self.daemon.proc.returncode})")
