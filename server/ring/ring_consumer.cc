@@ -125,12 +125,6 @@ bool RingConsumer::Pending() const {
          stop_.load(std::memory_order_acquire);
 }
 
-uint64_t RingConsumer::SettledTail(std::atomic_ref<uint64_t>& tail_ref) const {
-  const auto until = Clock::now() + std::chrono::microseconds(50);
-  while (Clock::now() < until) CpuRelax();
-  return tail_ref.load(std::memory_order_acquire);
-}
-
 void RingConsumer::Loop() {
   auto spin_until = Clock::now() + options_.spin;
   while (!finished()) {
@@ -155,18 +149,23 @@ size_t RingConsumer::Poll() {
   std::atomic_ref<uint64_t> head_ref(ctl->sq_head);
   const uint64_t capacity = memory.ring_capacity();
   const uint64_t tail = tail_ref.load(std::memory_order_acquire);
-  if (tail == head_) return 0;
+  if (tail == head_) {
+    odd_tail_since_ = Clock::time_point{};
+    return 0;
+  }
   if (tail < head_ || tail - head_ > capacity) {
     // A client that stores the tail byte by byte (low bytes first) can be
-    // read mid-store, and such a value is never ahead of the real one:
-    // look again a little later before ending the session over it.
-    const uint64_t again = SettledTail(tail_ref);
-    if (again >= head_ && again - head_ <= capacity) return 0;
-    Status why = again < head_ ? Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again,
-                                                  " is behind the daemon's head ", head_)
-                               : Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", again,
-                                                  " is ", again - head_, " records ahead of the daemon's head ",
-                                                  head_, ", more than the capacity ", capacity);
+    // read mid-store, and preempted there for a time slice: only a value
+    // that stays impossible for kOddTailGrace ends the session. Meanwhile
+    // polls take nothing (and the one polling thread serves the others).
+    const Clock::time_point now = Clock::now();
+    if (odd_tail_since_ == Clock::time_point{}) odd_tail_since_ = now;
+    if (now - odd_tail_since_ < kOddTailGrace) return 0;
+    Status why = tail < head_ ? Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", tail,
+                                                 " is behind the daemon's head ", head_)
+                              : Status::Rejected(Reason::kMalformed, "call ring protocol violation: sq_tail ", tail,
+                                                 " is ", tail - head_, " records ahead of the daemon's head ", head_,
+                                                 ", more than the capacity ", capacity);
     // A client can cause this at will (once per session it opens): a bounded
     // number of lines per interval.
     static LogThrottle violations(10, std::chrono::seconds(10));
@@ -178,6 +177,7 @@ size_t RingConsumer::Poll() {
     if (sink_.on_violation) sink_.on_violation(why);
     return 0;
   }
+  odd_tail_since_ = Clock::time_point{};
   alignas(64) std::array<uint8_t, v1::kSlotBytes> copy;
   size_t taken = 0;
   for (; head_ != tail && !stop_.load(std::memory_order_acquire); ++head_, ++taken) {

@@ -8,10 +8,12 @@
 //
 // Poll():
 //   1. load-acquire sq_tail; a tail behind the consumer's PRIVATE head, or
-//      more than `capacity` ahead of it, still so when read again ~50 us
-//      later (a tail stored byte by byte can be seen mid-store), is a
-//      protocol violation: the violation hook runs once (the daemon ends that
-//      session) and the consumer is finished. The shared sq_head and the
+//      more than `capacity` ahead of it, takes nothing; seen so by every
+//      poll for kOddTailGrace (a tail stored byte by byte can be read
+//      mid-store, and its thread preempted there), it is a protocol
+//      violation: the violation hook runs once (the daemon ends that
+//      session) and the consumer is finished. No poll waits for it to
+//      settle (one thread polls every ring). The shared sq_head and the
 //      RingControl fields are never read.
 //   2. for each ticket t in [head, tail): copy slot t % capacity (kSlotBytes,
 //      the mask is the daemon's own capacity) into private memory ONCE,
@@ -64,6 +66,10 @@
 #include "server/session/session.h"
 
 namespace cache_dit_opd {
+
+// How long a tail may read as impossible before it is a violation: longer
+// than a client thread preempted between the byte stores of its tail.
+inline constexpr std::chrono::milliseconds kOddTailGrace{20};
 
 struct RingConsumerOptions {
   std::chrono::microseconds spin{200};              // --spin-us
@@ -143,8 +149,6 @@ class RingConsumer final : public CallSource {
   void Sleep();
   // A record is there or a stop was asked.
   bool Pending() const;
-  // sq_tail again after a short pause (a tail seen mid-store settles).
-  uint64_t SettledTail(std::atomic_ref<uint64_t>& tail_ref) const;
 
   const std::shared_ptr<Session> session_;
   const std::vector<OpInfo>* const catalog_;
@@ -153,6 +157,8 @@ class RingConsumer final : public CallSource {
   std::atomic<bool> stop_{false};
   std::atomic<bool> violated_{false};
   uint64_t head_ = 0;  // private: never read back from the shared sq_head
+  // When polls began to see a tail behind head_ or too far ahead (epoch: none).
+  std::chrono::steady_clock::time_point odd_tail_since_{};
   std::atomic<uint64_t> records_{0};
   std::atomic<uint64_t> malformed_{0};
   std::atomic<uint64_t> sleeps_{0};
