@@ -35,8 +35,9 @@
 // arguments exactly; a none argument has count 0; the ticket matches the slot
 // (ticket % capacity); the tensor pad, flags and reserved bytes are ignored.
 // Hostile input: the daemon keeps its own head; a tail that is behind its
-// head or more than `capacity` ahead is a protocol violation that ends the
-// session (only that client is affected). Slot indices are masked by
+// head or more than `capacity` ahead, and still so after 20 ms of polls
+// (server/ring/ring_consumer.h: kOddTailGrace), is a protocol violation that
+// ends the session (only that client is affected). Slot indices are masked by
 // capacity (a power of two). A malformed record (bad magic, sizes, counts,
 // kinds, op index) fails that call: if its lane and seq are the lane's next,
 // the seq is still completed in order ("done" written by the lane stream).
