@@ -40,7 +40,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, child_env, kill_group, log, spawn, write_json  # noqa: E402
+from bench.common import REPO, child_env, kill_group, log, spawn, tail, write_json  # noqa: E402
 
 # Error kinds a worker can record; anything else is "unexpected".
 BAD_REJECTED = "bad_input_rejected"  # a bad input raised (ValueError, or RuntimeError/TypeError of torch's checks)
@@ -64,15 +64,6 @@ def _load_references():
     sys.path.pop(0)
     return ref, sq
 
-
-
-def last_line(path: Path) -> str:
-    """The last non-empty line of a log (a worker's error), or a note that there is none."""
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        lines = []
-    return lines[-1][:300] if lines else "(empty log)"
 
 class Cases:
     """Random calls of every op: ``next(rng) -> (op, args, bad, check)``; ``check(got)`` raises on a wrong result.
@@ -579,8 +570,9 @@ class Soak:
                 self.fills[-1].update(end=time.time(), exit=fill.returncode)
             for idx, p in list(self.workers.items()):
                 if p.poll() is not None:
+                    said = tail(self.work / f"w{idx}.log").strip().splitlines() or ["(empty log)"]
                     self.findings.append(f"worker {idx} (pid {p.pid}) exited by itself with status {p.returncode}: "
-                                         + last_line(self.work / f"w{idx}.log"))
+                                         + said[-1][:300])
                     self.spawn_worker(idx)
             if not self.daemon.alive():
                 self.findings.append(f"the daemon exited outside the schedule (status {self.daemon.proc.returncode})")
