@@ -359,8 +359,9 @@ bool Executor::RunReady() {
     Lane& lane = *q.lane;
     Session& session = *q.session;
     if (session.state() == SessionState::kClosed) {
-      // Ended: its DropSession (on its way) completes these. Not launched
-      // now: DropSession raised its inputs_ready, not its client.
+      // Ended: its DropSession (on its way) answers and completes these;
+      // none is validated or launched now. (The check below, after reading
+      // inputs_ready, is the one that keeps a raised value from launching.)
       ++qit;
       continue;
     }
