@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <limits>
 #include <thread>
 
 #include <sys/prctl.h>
@@ -151,7 +150,7 @@ void Executor::DropSession(const std::shared_ptr<Session>& session, Status reaso
   // launch onto this session's full lane stream, behind one of these waits.
   if (session) {
     for (uint32_t l = 0; l < session->lane_count(); ++l) {
-      session->memory().RaiseInputsReady(l, std::numeric_limits<uint64_t>::max());
+      session->memory().RaiseInputsReady(l, v1::kInputsReadyReleased);
     }
   }
   {

@@ -85,7 +85,7 @@ class FakeDeviceOps : public DeviceOps {
     WaitForRoom(lock, stream);
     waits.push_back({stream, value});
     auto& q = queued_[stream];
-    if (q.empty() && Load(address) >= value) return Status::Ok();
+    if (q.empty() && Passes(Load(address), value)) return Status::Ok();
     q.push_back(Op{address, value, {}, {}, true});
     if (!pump_.joinable()) pump_ = std::thread([this] { Pump(); });
     pump_cv_.notify_all();
@@ -175,7 +175,7 @@ class FakeDeviceOps : public DeviceOps {
 
  private:
   struct Op {
-    uint64_t wait_address;  // a wait: until *wait_address >= value
+    uint64_t wait_address;  // a wait: until Passes(*wait_address, value)
     uint64_t value;
     std::vector<uint64_t> write_addresses;  // a write of `value`
     std::function<void()> run;              // an enqueued run
@@ -189,6 +189,9 @@ class FakeDeviceOps : public DeviceOps {
       return pump_stop_ || limit == 0 || it == queued_.end() || it->second.size() < limit;
     });
   }
+  // CU_STREAM_WAIT_VALUE_GEQ as the GPU evaluates it: cyclic, so a value
+  // 2^63 or more above `n` does not pass.
+  static bool Passes(uint64_t seen, uint64_t n) { return static_cast<int64_t>(seen - n) >= 0; }
   static uint64_t Load(uint64_t address) {
     return std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(address)).load(std::memory_order_acquire);
   }
@@ -202,7 +205,7 @@ class FakeDeviceOps : public DeviceOps {
         while (!q.empty()) {
           Op& op = q.front();
           if (op.is_wait) {
-            if (Load(op.wait_address) < op.value) break;
+            if (!Passes(Load(op.wait_address), op.value)) break;
           } else if (op.run) {
             // Runs outside our lock (it takes the runner's); it stays at
             // the front meanwhile, so later work still queues behind it.

@@ -63,6 +63,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "cache_dit_opd/v1/wire.h"
 
@@ -73,6 +74,12 @@ namespace cache_dit_opd::v1 {
 inline constexpr uint32_t kProtocolVersion = 2;
 // 2: BindReply::reason, CompletionRecord::reason (ring.h).
 inline constexpr uint32_t kLayoutVersion = 2;
+
+// What the daemon raises an ended session's inputs_ready to, so every GPU
+// wait it enqueued on them passes. A stream wait's GEQ is cyclic: "wait
+// until (int64_t)(*addr - n) >= 0", so 2^64 - 1 would pass no wait at all;
+// 2^63 - 1 passes every wait for n in [0, 2^63), and seqs count up from 1.
+inline constexpr uint64_t kInputsReadyReleased = std::numeric_limits<int64_t>::max();
 inline constexpr uint32_t kSessionMemoryMagic = 0x504F4443u;  // "CDOP" little-endian
 inline constexpr uint32_t kBindRequestMagic = 0x444E4942u;    // "BIND"
 inline constexpr uint32_t kTokenBytes = 32;

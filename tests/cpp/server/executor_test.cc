@@ -653,8 +653,8 @@ TEST_F(LaunchAheadTest, AnEndedSessionsParkedWaitsAreReleased) {
   ASSERT_TRUE(WaitUntil([&] { return WaitsOn(other->lane(0).stream) == 1; }));
   EXPECT_EQ(executor_->parked(), 1u);
   // Raised past every seq: it will never signal again.
-  EXPECT_EQ(dead->memory().InputsReady(0), std::numeric_limits<uint64_t>::max());
-  EXPECT_EQ(dead->memory().InputsReady(1), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(dead->memory().InputsReady(0), v1::kInputsReadyReleased);
+  EXPECT_EQ(dead->memory().InputsReady(1), v1::kInputsReadyReleased);
   ASSERT_TRUE(WaitUntil([&] { return dead->Drained(); }));  // the lanes drain: its regions can go
   EXPECT_EQ(dead->memory().Done(0), 2u);
   EXPECT_EQ(dead->memory().Done(1), 1u);

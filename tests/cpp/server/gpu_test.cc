@@ -322,7 +322,7 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
               "channel closed\n",
               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - died).count());
   // Raised past every seq (it will never signal again), on the ending thread.
-  EXPECT_EQ(std::atomic_ref<uint64_t>(a.lane()->inputs_ready).load(), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(std::atomic_ref<uint64_t>(a.lane()->inputs_ready).load(), v1::kInputsReadyReleased);
   EXPECT_EQ(std::atomic_ref<uint64_t>(a.lane()->done).load(), 3u);
   // B is unaffected.
   std::atomic_ref<uint64_t>(b.lane()->inputs_ready).store(2);
