@@ -288,3 +288,67 @@ def test_each_gpu_has_its_daemon_and_calls_run_natively_whatever_device_is_curre
         for d in daemons:
             d.stop()
         shutil.rmtree(run, ignore_errors=True)
+
+
+VISIBLE_ONE_WORKER = r"""
+import torch
+from cache_dit_opd import _session
+from cache_dit_opd.kernels import fp8_comm_per_token_quant
+x = torch.randn(64, 128, device="cuda:0", dtype=torch.bfloat16)
+for _ in range(10):
+    fp8_comm_per_token_quant(x)
+torch.cuda.synchronize()
+s = _session.get_session(0)
+print(torch.cuda.device_count(), s.uuid, s.version.gpu_uuid)
+"""
+
+CROSS_GPU_WORKER = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+import _client_fixtures as fx
+from cache_dit_opd.kernels import fp8_comm_per_token_quant, fused_merge_attn_states
+out = torch.randn(1, 16, 2, 64, device="cuda:0", dtype=torch.bfloat16)
+lse = torch.randn(1, 16, 2, 1, device="cuda:1", dtype=torch.float32)
+try:
+    fused_merge_attn_states(out, lse, out, lse)
+except (ValueError, RuntimeError) as e:
+    print(type(e).__name__, e)
+x = torch.randn(64, 128, device="cuda:1", dtype=torch.bfloat16)  # GPU 1's daemon still serves this client
+print(torch.equal(fp8_comm_per_token_quant(x).view(torch.uint8).cpu(),
+                  fx.ref.per_token_quant(x.cpu()).view(torch.uint8)))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_client_that_sees_gpu_1_as_cuda_0_reaches_gpu_1s_daemon_and_a_cross_gpu_call_is_refused():
+    """CUDA_VISIBLE_DEVICES renumbers GPUs; discovery goes by UUID, so cuda:0 of such a client is GPU 1's daemon."""
+    import os
+    import shutil
+
+    from cache_dit_opd import _discovery
+
+    run = fx.short_tmpdir()
+    daemons = []
+    try:
+        uuids = [_discovery.gpu_uuid(idx) for idx in (0, 1)]
+        for idx in (0, 1):
+            daemons.append(fx.daemon(os.path.join(run, f"d{idx}"), fake=False, device=idx,
+                                     socket=os.path.join(run, f"{uuids[idx]}.sock")))
+        calls = [d.stats().calls for d in daemons]
+        r = fx.run_python(VISIBLE_ONE_WORKER, CACHE_DIT_OPD_ADDRESS=None, CACHE_DIT_OPD_RUNTIME_DIR=run,
+                          CUDA_VISIBLE_DEVICES="1", timeout=180)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["1", uuids[1], uuids[1]], r.stdout
+        assert daemons[1].stats().calls - calls[1] >= 10
+        assert daemons[0].stats().calls == calls[0]  # GPU 0's daemon saw none of it
+
+        r = fx.run_python(CROSS_GPU_WORKER.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=None, CACHE_DIT_OPD_RUNTIME_DIR=run, timeout=180)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("ValueError") and "cuda:1" in lines[0] and "cuda:0" in lines[0], r.stdout
+        assert lines[1] == "True", r.stdout
+        assert all(d.alive() for d in daemons)
+    finally:
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(run, ignore_errors=True)
