@@ -313,8 +313,8 @@ def main(argv=None) -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         vs = f"{bf16['step_ms'] / r['step_ms']:.2f}x" if bf16 else "-"
-        print(f"| {r['config']} | {r['ops']} | {r['max_abs_err']:.4f} | {r['rel_l2']:.5f} | {r['step_ms']:.3f} | {vs} | "
-              f"{r['wire_bytes_per_rank']:,} |")
+        print(f"| {r['config']} | {r['ops']} | {r['max_abs_err']:.4f} | {r['rel_l2']:.5f} | {r['step_ms']:.3f} | "
+              f"{vs} | {r['wire_bytes_per_rank']:,} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0

@@ -313,7 +313,7 @@ def linear_ideal(x, q_w, wscales, smooth=None, down=None, up=None, bias=None, lo
 def smooth_factor(weight: torch.Tensor, act_amax: torch.Tensor | None, alpha: float = 0.5) -> torch.Tensor:
     """SmoothQuant factor per input channel: amax|x|^alpha / amax|W|^(1-alpha); 1 where undefined."""
     if act_amax is None:
-        return torch.ones(weight.shape[1])
+        return torch.ones(weight.shape[1], device=weight.device)
     w_amax = weight.float().abs().amax(dim=0)
     s = act_amax.float().pow(alpha) / w_amax.pow(1 - alpha)
     return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
@@ -327,7 +327,8 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, rank: int, 
 
     Smoothing (from ``act_amax``, the calibration inputs' per-channel amax; none: s = 1), W_hat = W diag(s),
     rank-R SVD W_hat ~ up down, residual quantized per 64-group, proj_down = down diag(1/s) (the kernel
-    applies LoRA to the raw input), smooth_factor = s.
+    applies LoRA to the raw input), smooth_factor = s. Runs on the weight's device (the SVD of a large layer
+    takes minutes in fp64 on a CPU).
     """
     n, k = weight.shape
     _check_qweight_shape(n, k)
@@ -341,8 +342,8 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, rank: int, 
         down = vh[:rank]
         residual = w_hat - up @ down
     else:
-        up = torch.zeros(n, 0, dtype=torch.float64)
-        down = torch.zeros(0, k, dtype=torch.float64)
+        up = w_hat.new_zeros(n, 0)
+        down = w_hat.new_zeros(0, k)
         residual = w_hat
     q, scales = quantize_weight(residual, dtype)
     out = {
@@ -350,8 +351,8 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, rank: int, 
         "wscales": pack_wscales(scales),
         "smooth_factor": pack_channel_vector(s.to(dtype)),
         "smooth_factor_orig": pack_channel_vector(s.to(dtype)),
-        "proj_down": pack_lowrank((down / s).to(dtype), down=True) if rank else torch.zeros(k, 0, dtype=dtype),
-        "proj_up": pack_lowrank(up.to(dtype), down=False) if rank else torch.zeros(n, 0, dtype=dtype),
+        "proj_down": pack_lowrank((down / s).to(dtype), down=True) if rank else w_hat.new_zeros(k, 0, dtype=dtype),
+        "proj_up": pack_lowrank(up.to(dtype), down=False) if rank else w_hat.new_zeros(n, 0, dtype=dtype),
     }
     if bias is not None:
         out["bias"] = pack_channel_vector(bias.to(dtype))

@@ -342,7 +342,8 @@ def test_a_client_that_sees_gpu_1_as_cuda_0_reaches_gpu_1s_daemon_and_a_cross_gp
         assert daemons[1].stats().calls - calls[1] >= 10
         assert daemons[0].stats().calls == calls[0]  # GPU 0's daemon saw none of it
 
-        r = fx.run_python(CROSS_GPU_WORKER.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=None, CACHE_DIT_OPD_RUNTIME_DIR=run, timeout=180)
+        r = fx.run_python(CROSS_GPU_WORKER.format(tests=fx.HERE), CACHE_DIT_OPD_ADDRESS=None,
+                          CACHE_DIT_OPD_RUNTIME_DIR=run, timeout=180)
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert lines[0].startswith("ValueError") and "cuda:1" in lines[0] and "cuda:0" in lines[0], r.stdout

@@ -14,9 +14,10 @@ from cache_dit_opd import nn as opd_nn
 from cache_dit_opd.nn import SVDQW4A4Linear, load_safetensors
 
 
-def quantized(in_features, out_features, rank, bias=True, dtype=torch.bfloat16, seed=0):
+def quantized(in_features, out_features, rank, bias=True, dtype=torch.bfloat16, seed=0, device="cpu"):
     """(float nn.Linear, its state dict as SVDQW4A4Linear holds it): the layer zero-padded to multiples of
-    128 and quantized by the reference's offline quantizer (smoothing from Gaussian calibration data)."""
+    128 and quantized by the reference's offline quantizer (smoothing from Gaussian calibration data) on
+    ``device``; the layer and its state dict stay there."""
     g = torch.Generator().manual_seed(seed)
     lin = torch.nn.Linear(in_features, out_features, bias=bias)
     torch.nn.init.normal_(lin.weight, std=in_features ** -0.5, generator=g)
@@ -32,7 +33,8 @@ def quantized(in_features, out_features, rank, bias=True, dtype=torch.bfloat16, 
         b[:out_features] = lin.bias.float()
     amax = torch.zeros(k)
     amax[:in_features] = torch.randn(64, in_features, generator=g).abs().amax(0)
-    return lin, sq.quantize_linear(w, b, rank, dtype, act_amax=amax)
+    w, b, amax = (t.to(device) if t is not None else None for t in (w, b, amax))
+    return lin.to(device), sq.quantize_linear(w, b, rank, dtype, act_amax=amax)
 
 
 def test_state_dict_is_cache_dits_and_nunchakus():
@@ -182,11 +184,10 @@ def test_flux_mlp_accuracy_against_bf16(gpu_daemon):
         from cache_dit_opd.nn import SVDQW4A4Linear
         F = torch.nn.functional
         for rank in (0, 16, 32):
-            l1, s1 = t.quantized(3072, 12288, rank, seed=1)
-            l2, s2 = t.quantized(12288, 3072, rank, seed=2)
+            l1, s1 = t.quantized(3072, 12288, rank, seed=1, device="cuda")  # the SVDs on the GPU: seconds
+            l2, s2 = t.quantized(12288, 3072, rank, seed=2, device="cuda")
             q1, q2 = (SVDQW4A4Linear.from_state_dict(s, device="cuda") for s in (s1, s2))
             x = torch.randn(1024, 3072, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
-            l1, l2 = l1.cuda(), l2.cuda()
             want = l2(F.gelu(l1(x), approximate="tanh")).float()
             got = q2(F.gelu(q1(x), approximate="tanh")).float()
             rel = ((got - want).norm() / want.norm()).item()
