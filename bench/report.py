@@ -38,6 +38,7 @@ PIPELINED_KERNEL_US = 100.0
 PIPELINED_FRACTION = 0.90
 SCALING_PROCS = "8"
 SCALING_FRACTION = 0.90
+IDLE_CPU_PCT = 2.0  # issue 14: the daemon with sessions open and no calls, % of one core
 KERNEL_FRACTION = 0.80
 
 REMOTE = (RING_SYNC, RING_ASYNC, GRPC)
@@ -317,6 +318,21 @@ def _scaling_targets(res) -> list[dict]:
     return rows
 
 
+def _idle_target(res) -> dict | None:
+    """Issue 14's idle cost: daemon CPU while the most client processes of the run keep sessions open."""
+    planned = _get(res, "cases", "scaling", "params", "phases") or []
+    if not any(ph.get("bound") == "idle" for ph in planned):
+        return None  # a run from before the idle phase existed
+    goal = f"<= {IDLE_CPU_PCT:.0f}% of a core, client processes' sessions open, no calls (issue 14)"
+    points = [p for p in scaling_points(res) if p["bound"] == "idle" and p.get("daemon_cpu_pct") is not None]
+    if not points:
+        return _row("scaling.idle", "Daemon CPU, idle sessions", goal, "-", "no data")
+    p = max(points, key=lambda q: q["procs"])
+    achieved = f"{p['daemon_cpu_pct']:.1f}% with {p['procs']} processes' sessions open"
+    return _row("scaling.idle", "Daemon CPU, idle sessions", goal, achieved,
+                "met" if p["daemon_cpu_pct"] <= IDLE_CPU_PCT else "missed")
+
+
 def _kernel_target(res) -> dict:
     goal = f">= {KERNEL_FRACTION:.0%} of device-to-device copy bandwidth, every op at the Wan shapes"
     k = kernel_result(res)
@@ -351,11 +367,13 @@ def _svdq_rows(res) -> list[dict]:
 
 
 def evaluate(res: dict) -> list[dict]:
-    """One row per issue-7 target: what was achieved and whether it met the target (and the svdq case's row)."""
+    """One row per issue-7 target: what was achieved and whether it met the target (and the svdq case's row,
+    and issue 14's idle daemon CPU where the run measured it)."""
     if is_kernels_only(res):
         return [_kernel_target(res)]
+    idle = _idle_target(res)
     return [*_latency_targets(res), _cpp_target(res), *_cpp_ring_rows(res), *_pipelined_targets(res),
-            *_scaling_targets(res), _kernel_target(res), *_svdq_rows(res)]
+            *_scaling_targets(res), *([idle] if idle else []), _kernel_target(res), *_svdq_rows(res)]
 
 
 # -- markdown --------------------------------------------------------------------------------
@@ -519,6 +537,9 @@ def scaling_section(res) -> list[str]:
             rows.append([f"{bound}-bound ({SHORT.get(pt['op'], pt['op'])}, {pt['shape']})",
                          MODE_NAMES.get(pt["mode"], pt["mode"]), str(pt["procs"]), f"{pt['calls_per_s']:.0f}",
                          _f(pt["ratio"], "{:.0%}"), _f(pt.get("daemon_cpu_pct"), "{:.0f}%")])
+    for pt in (q for q in scaling_points(res) if q["bound"] == "idle"):
+        rows.append(["idle (sessions open, no calls)", MODE_NAMES.get(pt["mode"], pt["mode"]), str(pt["procs"]), "0",
+                     "-", _f(pt.get("daemon_cpu_pct"), "{:.1f}%")])
     out += _table(["load", "mode", "processes", "calls/s", "vs 1 in-process", "daemon CPU"], rows, "llrrrr")
     return out
 

@@ -9,7 +9,9 @@ caller running the same loop. The daemon's CPU use is utime + stime from
 /proc/<daemon pid>/stat over the window, in % of one core.
 
 Two loads: kernel-bound (the Wan per-rank merge, ~80 us of kernel) and
-launch-bound (the FLUX per-rank per-token quant, a few us). Phases run in
+launch-bound (the FLUX per-rank per-token quant, a few us), then an idle
+phase: the client processes keep their sessions (and rings) open and call
+nothing, which is what a daemon costs a host between requests. Phases run in
 order in the same processes; a barrier of files in a private directory
 starts each: every process writes ``ready.<phase>.<rank>`` once set up, the
 orchestrator writes ``go.<phase>`` holding a CLOCK_MONOTONIC start time (the
@@ -27,6 +29,7 @@ from bench.common import (CLIENT, INPROC, MERGE, QUANT, RING_ASYNC, RING_SYNC, e
                           wait_or_kill, write_json)
 
 LOADS = (("kernel", "wan_rank", MERGE), ("launch", "flux_rank", QUANT))
+IDLE = {"bound": "idle", "shape": None, "op": None, "mode": RING_ASYNC}  # sessions open, no calls
 START_MARGIN_S = 0.25  # between writing go and the start: every process sees the file first
 
 
@@ -39,7 +42,7 @@ def params(quick: bool, window_s: float | None) -> dict:
     return {
         "procs": [1, 8] if quick else [1, 2, 4, 8],
         "window_s": window_s or (1.0 if quick else 2.5),
-        "phases": [{"bound": b, "shape": s, "op": op, "mode": m} for b, s, op in LOADS for m in modes],
+        "phases": [{"bound": b, "shape": s, "op": op, "mode": m} for b, s, op in LOADS for m in modes] + [IDLE],
     }
 
 
@@ -162,6 +165,9 @@ def _prepare(ctx, ops, phases: list[dict]) -> list:
 
     cache, out = {}, []
     for ph in phases:
+        if ph["op"] is None:  # idle: nothing to prepare
+            out.append(None)
+            continue
         key = (ph["shape"], ph["op"])
         try:
             if key not in cache:
@@ -216,7 +222,11 @@ def child(ctx, p: dict) -> dict:
         try:
             if isinstance(f, Exception):
                 raise f
-            res = _loop(f, ctx, ph["mode"], t0, p["window_s"])
+            if f is None:
+                sleep_until(t0 + p["window_s"])
+                res = {"calls": 0, "t_issue_end": time.monotonic(), "t_done": time.monotonic()}
+            else:
+                res = _loop(f, ctx, ph["mode"], t0, p["window_s"])
         except Exception as e:  # noqa: BLE001  (this phase fails for this process; the next phases go on)
             res = {"error": error_text(e, 800)}
         write_json(d / f"result.{i}.{rank}", res)

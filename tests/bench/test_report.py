@@ -161,3 +161,27 @@ def test_svdq_case_renders_its_ratios_and_flags_outputs_that_differ(res):
     res["cases"]["svdq"]["modes"]["sync"] = {"status": "error", "error": "child timed out"}
     md = report.markdown(copy.deepcopy(res))
     assert "| 4608 | 3072 | 3072 | 305.0 | 315.0 (97%) | - |" in md and "child timed out" in md
+
+
+def _add_idle(res, cpu_by_procs):
+    sc = res["cases"]["scaling"]
+    sc["params"]["phases"].append({"bound": "idle", "shape": None, "op": None, "mode": "async"})
+    for n, cpu in cpu_by_procs.items():
+        sc["remote"][str(n)]["phases"].append({"bound": "idle", "shape": None, "op": None, "mode": "async",
+                                               "procs": n, "window_s": 2.5, "errors": [], "daemon_cpu_pct": cpu,
+                                               "calls": 0, "elapsed_s": 2.5, "calls_per_s": 0.0})
+
+
+def test_idle_daemon_cpu_is_judged_at_the_most_processes_and_shown_per_group(res):
+    assert "scaling.idle" not in verdicts(res)  # a run from before the idle phase: no row, not "missed"
+    _add_idle(res, {1: 0.4, 8: 1.5})
+    row = verdicts(res)["scaling.idle"]
+    assert row["verdict"] == "met" and "1.5% with 8 processes" in row["achieved"], row
+    md = report.markdown(copy.deepcopy(res))
+    assert "| idle (sessions open, no calls) | ring async | 8 | 0 | - | 1.5% |" in md
+    assert "| idle (sessions open, no calls) | ring async | 1 | 0 | - | 0.4% |" in md
+    res["cases"]["scaling"]["remote"]["8"]["phases"][-1]["daemon_cpu_pct"] = 2.5  # over 2%: missed
+    assert verdicts(res)["scaling.idle"]["verdict"] == "missed"
+    for ph in res["cases"]["scaling"]["remote"].values():
+        ph["phases"] = [p for p in ph["phases"] if p["bound"] != "idle"]  # planned but not measured
+    assert verdicts(res)["scaling.idle"]["verdict"] == "no data"
