@@ -48,6 +48,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,56 +62,38 @@ SEED = 20261204
 # -- op providers --------------------------------------------------------------------------
 
 
-class ReferenceOps:
+class Ops(NamedTuple):
+    """The five ops of the step, from one provider."""
+
+    qkv_quant: Callable
+    qkv_dequant: Callable
+    token_quant: Callable
+    token_dequant: Callable
+    merge: Callable  # (prev_out, prev_lse, suff_out, suff_lse) -> (out, lse)
+
+
+def reference_ops() -> Ops:
     """kernels/reference.py: the ops' semantics in plain torch, any device."""
+    sys.path.insert(0, str(REPO / "kernels"))
+    import reference as ref  # noqa: PLC0415  (kernels/ is not a package)
 
-    def __init__(self):
-        sys.path.insert(0, str(REPO / "kernels"))
-        import reference  # noqa: PLC0415  (kernels/ is not a package)
-
-        self.ref = reference
-
-    def qkv_quant(self, x):
-        return self.ref.qkv_permute_quant(x)
-
-    def qkv_dequant(self, records):
-        return self.ref.qkv_permute_dequant(records)
-
-    def token_quant(self, x):
-        return self.ref.per_token_quant(x)
-
-    def token_dequant(self, records):
-        return self.ref.per_token_dequant(records)
-
-    def merge(self, prev_out, prev_lse, suff_out, suff_lse):
-        out, lse = self.ref.merge_attn_states(prev_out, prev_lse, suff_out, suff_lse, torch.float32)
+    def merge(prev_out, prev_lse, suff_out, suff_lse):
+        out, lse = ref.merge_attn_states(prev_out, prev_lse, suff_out, suff_lse, torch.float32)
         return out.to(prev_out.dtype), lse.to(prev_lse.dtype)
 
+    return Ops(ref.qkv_permute_quant, ref.qkv_permute_dequant, ref.per_token_quant, ref.per_token_dequant, merge)
 
-class TorchOps:
-    """torch.ops.cache_dit_cuda_ops, defined by the daemon's client or by the kernel library."""
 
-    def __init__(self, lib: str | None):
-        if lib:
-            torch.ops.load_library(lib)  # the kernels in this process
-        else:
-            import cache_dit_opd  # noqa: F401, PLC0415  (proxy ops: the calls go to this GPU's daemon)
-        self.ops = torch.ops.cache_dit_cuda_ops
-
-    def qkv_quant(self, x):
-        return self.ops.fp8_comm_qkv_permute_quant(x)
-
-    def qkv_dequant(self, records):
-        return self.ops.fp8_comm_qkv_permute_dequant(records)
-
-    def token_quant(self, x):
-        return self.ops.fp8_comm_per_token_quant(x)
-
-    def token_dequant(self, records):
-        return self.ops.fp8_comm_per_token_dequant(records)
-
-    def merge(self, prev_out, prev_lse, suff_out, suff_lse):
-        return self.ops.fused_merge_attn_states(prev_out, prev_lse, suff_out, suff_lse)
+def torch_ops(lib: str | None) -> Ops:
+    """torch.ops.cache_dit_cuda_ops, defined by the kernel library ``lib`` (the kernels in this process) or, without
+    it, by the daemon's client (proxy ops: the calls go to this GPU's daemon)."""
+    if lib:
+        torch.ops.load_library(lib)
+    else:
+        import cache_dit_opd  # noqa: F401, PLC0415
+    o = torch.ops.cache_dit_cuda_ops
+    return Ops(o.fp8_comm_qkv_permute_quant, o.fp8_comm_qkv_permute_dequant, o.fp8_comm_per_token_quant,
+               o.fp8_comm_per_token_dequant, o.fused_merge_attn_states)
 
 
 # -- the step ------------------------------------------------------------------------------
@@ -213,7 +196,7 @@ def rank_main(rank, args, config, port, result_path):
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
                             **({"device_id": device} if on_gpu else {}))
     try:
-        ops = TorchOps(args.lib if config == "fp8-lib" else None) if on_gpu else ReferenceOps()
+        ops = torch_ops(args.lib if config == "fp8-lib" else None) if on_gpu else reference_ops()
         fp8 = config != "bf16"
         q, k, v = inputs(args, device)
         s_l = args.seq // world
