@@ -43,9 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -183,20 +183,21 @@ def inputs(args, device):
     return [torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3)]
 
 
-def rank_main(rank, args, config, port, result_path):
+def rank_main(rank, args, config, workdir, result_path):
     world = args.world
     on_gpu = args.device == "cuda"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the GPU host's rule)
     if on_gpu:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
-                            **({"device_id": device} if on_gpu else {}))
+    # Rendezvous through a file of this configuration's own: no port to pick (and lose to another process).
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{workdir}/{config}.rendezvous",
+                            rank=rank, world_size=world, **({"device_id": device} if on_gpu else {}))
     try:
-        ops = torch_ops(args.lib if config == "fp8-lib" else None) if on_gpu else reference_ops()
+        provider = ("library" if config == "fp8-lib" else "daemon") if on_gpu else "reference"
+        ops = reference_ops() if provider == "reference" else torch_ops(args.lib if provider == "library" else None)
         fp8 = config != "bf16"
         q, k, v = inputs(args, device)
         s_l = args.seq // world
@@ -230,7 +231,7 @@ def rank_main(rank, args, config, port, result_path):
         if rank == 0:
             Path(result_path).write_text(json.dumps({
                 "config": config,
-                "ops": "reference" if not on_gpu else ("library" if config == "fp8-lib" else "daemon"),
+                "ops": provider,
                 "max_abs_err": err[0].item(),
                 "rel_l2": (err[1] / err[2]).sqrt().item(),
                 "step_ms": slowest.item(),
@@ -240,15 +241,9 @@ def rank_main(rank, args, config, port, result_path):
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(args, config, workdir: Path) -> dict:
     path = workdir / f"{config}.json"
-    mp.spawn(rank_main, args=(args, config, free_port(), str(path)), nprocs=args.world, join=True)
+    mp.spawn(rank_main, args=(args, config, str(workdir), str(path)), nprocs=args.world, join=True)
     return json.loads(path.read_text())
 
 
@@ -284,8 +279,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import tempfile  # noqa: PLC0415
-
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_config(args, c, Path(tmp)) for c in args.configs]
     bf16 = next((r for r in results if r["config"] == "bf16"), None)

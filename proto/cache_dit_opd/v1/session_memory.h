@@ -80,6 +80,7 @@ inline constexpr uint32_t kLayoutVersion = 2;
 // until (int64_t)(*addr - n) >= 0", so 2^64 - 1 would pass no wait at all;
 // 2^63 - 1 passes every wait for n in [0, 2^63), and seqs count up from 1.
 inline constexpr uint64_t kInputsReadyReleased = std::numeric_limits<int64_t>::max();
+
 inline constexpr uint32_t kSessionMemoryMagic = 0x504F4443u;  // "CDOP" little-endian
 inline constexpr uint32_t kBindRequestMagic = 0x444E4942u;    // "BIND"
 inline constexpr uint32_t kTokenBytes = 32;
