@@ -30,12 +30,20 @@
 //              CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY) to see the
 //              hand-off without context switches.
 //
+//   hostcost [N]  Host time per enqueue of what the executor puts on a
+//              lane's stream per call, each kind N times on one stream (the
+//              GPU drains as it goes; a synchronize every 128, not timed):
+//              a tiny kernel launch, a 64-bit stream write / wait (already
+//              satisfied) on pinned host memory, two writes as two calls and
+//              as one cuStreamBatchMemOp, an event record, and a whole call
+//              (wait, launch, the two "done" writes) each way.
+//
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs, which is the
 // third fact (PROBE_LAZY=1 stream_queues isolation 8 9 1 never returns).
 //
 // Build: nvcc -O2 -arch=sm_90a -o stream_queues stream_queues.cu -lcuda
-// Run:   stream_queues isolation C S K   |   stream_queues timeline [N]
+// Run:   stream_queues isolation C S K | timeline [N] | hostcost [N]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -43,6 +51,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -342,6 +351,90 @@ static int Timeline(int calls) {
   return rc != 0 ? rc : (WIFEXITED(status) ? WEXITSTATUS(status) : 1);
 }
 
+// Mean host microseconds of `body` over n enqueues; a synchronize every 128
+// (outside the timing) keeps the stream's queue from filling.
+template <typename F>
+static double EnqueueUs(cudaStream_t s, int n, F body) {
+  using Clock = std::chrono::steady_clock;
+  Clock::duration total{};
+  for (int done = 0; done < n;) {
+    const int batch = std::min(128, n - done);
+    const auto t0 = Clock::now();
+    for (int i = 0; i < batch; ++i) body(done + i + 1);
+    total += Clock::now() - t0;
+    CK(cudaStreamSynchronize(s));
+    done += batch;
+  }
+  return std::chrono::duration<double, std::micro>(total).count() / n;
+}
+
+static int HostCost(int n) {
+  CK(cudaSetDevice(0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUstream cs = reinterpret_cast<CUstream>(s);
+  void* page = nullptr;
+  if (posix_memalign(&page, 4096, 4096) != 0) return 1;
+  std::memset(page, 0, 4096);
+  const CUdeviceptr base = MapHost(page, 4096);
+  const CUdeviceptr ready = base, done = base + 64, completed = base + 128;
+  reinterpret_cast<std::atomic<uint64_t>*>(page)->store(~0ull >> 1);  // every wait is already satisfied
+  int* counter = nullptr;
+  CK(cudaMalloc(&counter, sizeof(int)));
+  cudaEvent_t ev;
+  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  auto write2_batched = [&](uint64_t v) {
+    CUstreamBatchMemOpParams ops[2] = {};
+    for (int i = 0; i < 2; ++i) {
+      ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      ops[i].writeValue.address = i == 0 ? done : completed;
+      ops[i].writeValue.value64 = v;
+      ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    CU(cuStreamBatchMemOp(cs, 2, ops, 0));
+  };
+  auto write2 = [&](uint64_t v) {
+    CU(cuStreamWriteValue64(cs, done, v, CU_STREAM_WRITE_VALUE_DEFAULT));
+    CU(cuStreamWriteValue64(cs, completed, v, CU_STREAM_WRITE_VALUE_DEFAULT));
+  };
+  auto wait = [&](uint64_t v) { CU(cuStreamWaitValue64(cs, ready, v, CU_STREAM_WAIT_VALUE_GEQ)); };
+  auto launch = [&](uint64_t) { Touch<<<1, 32, 0, s>>>(counter); };
+  struct Row {
+    const char* what;
+    double us;
+  };
+  std::vector<Row> rows;
+  for (int pass = 0; pass < 2; ++pass) {  // the first pass warms up
+    rows.clear();
+    rows.push_back({"kernel launch", EnqueueUs(s, n, launch)});
+    rows.push_back({"cuStreamWriteValue64", EnqueueUs(s, n, [&](uint64_t v) {
+                      CU(cuStreamWriteValue64(cs, done, v, CU_STREAM_WRITE_VALUE_DEFAULT));
+                    })});
+    rows.push_back({"cuStreamWaitValue64 (satisfied)", EnqueueUs(s, n, wait)});
+    rows.push_back({"two writes, two calls", EnqueueUs(s, n, write2)});
+    rows.push_back({"two writes, one cuStreamBatchMemOp", EnqueueUs(s, n, write2_batched)});
+    rows.push_back({"cudaEventRecord", EnqueueUs(s, n, [&](uint64_t) { CK(cudaEventRecord(ev, s)); })});
+    rows.push_back({"cudaGetLastError", EnqueueUs(s, n, [&](uint64_t) { (void)cudaGetLastError(); })});
+    rows.push_back({"call: wait, launch, two writes", EnqueueUs(s, n, [&](uint64_t v) {
+                      wait(v);
+                      launch(v);
+                      write2(v);
+                    })});
+    rows.push_back({"call: wait, launch, one batch of two writes", EnqueueUs(s, n, [&](uint64_t v) {
+                      wait(v);
+                      launch(v);
+                      write2_batched(v);
+                    })});
+    rows.push_back({"call: launch, one batch of two writes", EnqueueUs(s, n, [&](uint64_t v) {
+                      launch(v);
+                      write2_batched(v);
+                    })});
+  }
+  for (const Row& r : rows) std::printf("hostcost %-45s %7.2f us\n", r.what, r.us);
+  CK(cudaDeviceSynchronize());
+  return 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Lazy module loading would load a kernel at its first launch, which can
@@ -352,6 +445,8 @@ int main(int argc, char** argv) {
     return Isolation(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
   }
   if (argc >= 2 && std::strcmp(argv[1], "timeline") == 0) return Timeline(argc >= 3 ? std::atoi(argv[2]) : 128);
-  std::fprintf(stderr, "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS]\n", argv[0]);
+  if (argc >= 2 && std::strcmp(argv[1], "hostcost") == 0) return HostCost(argc >= 3 ? std::atoi(argv[2]) : 20000);
+  std::fprintf(stderr, "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS] | hostcost [N]\n",
+               argv[0]);
   return 2;
 }

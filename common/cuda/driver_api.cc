@@ -40,6 +40,7 @@ Loaded LoadAll() {
   // typedefs are named after the release that introduced them, 11.7).
   if (s.ok()) s = Resolve("cuStreamWriteValue64", 12000, &a.stream_write_value64);
   if (s.ok()) s = Resolve("cuStreamWaitValue64", 12000, &a.stream_wait_value64);
+  if (s.ok()) s = Resolve("cuStreamBatchMemOp", 12000, &a.stream_batch_mem_op);
   if (s.ok()) s = Resolve("cuMemHostRegister", 6050, &a.mem_host_register);
   if (s.ok()) s = Resolve("cuMemHostUnregister", 4000, &a.mem_host_unregister);
   if (s.ok()) s = Resolve("cuMemHostGetDevicePointer", 3020, &a.mem_host_get_device_pointer);

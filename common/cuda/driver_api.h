@@ -8,7 +8,7 @@
 //
 // Versions are pinned: the stream memory operations are requested at 12000,
 // which resolves to the _v2 entry points (cuStreamWriteValue64_v2 /
-// cuStreamWaitValue64_v2). The unversioned v1 symbols return
+// cuStreamWaitValue64_v2 / cuStreamBatchMemOp_v2). The unversioned v1 symbols return
 // CUDA_ERROR_NOT_SUPPORTED on current drivers (measured on the H200 host).
 //
 // Includes CUDA headers, never torch.
@@ -26,6 +26,7 @@ namespace cache_dit_opd::cuda {
 struct DriverApi {
   PFN_cuStreamWriteValue64_v11070 stream_write_value64 = nullptr;  // cuStreamWriteValue64_v2
   PFN_cuStreamWaitValue64_v11070 stream_wait_value64 = nullptr;    // cuStreamWaitValue64_v2
+  PFN_cuStreamBatchMemOp_v11070 stream_batch_mem_op = nullptr;      // cuStreamBatchMemOp_v2
   PFN_cuMemHostRegister_v6050 mem_host_register = nullptr;
   PFN_cuMemHostUnregister_v4000 mem_host_unregister = nullptr;
   PFN_cuMemHostGetDevicePointer_v3020 mem_host_get_device_pointer = nullptr;

@@ -2,6 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <array>
+
 #include "common/cuda/driver_api.h"
 
 namespace cache_dit_opd::cuda {
@@ -81,14 +84,25 @@ Status CudaDeviceOps::WriteValue64(void* stream, std::span<const uint64_t> addrs
   Status s;
   const DriverApi* api = GetDriverApi(&s);
   if (api == nullptr) return s;
-  for (uint64_t addr : addrs) {
-    // Default flags: the write is ordered after (and makes visible) all
-    // earlier work of the stream.
-    CUresult r = api->stream_write_value64(static_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr),
-                                           value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  // One driver call for all the writes: the executor writes a lane's shared
+  // and private "done" after every call, and each enqueue is host time on
+  // the daemon's launching thread (bench/probes/stream_queues.cu hostcost).
+  constexpr size_t kBatch = 8;
+  for (size_t first = 0; first < addrs.size(); first += kBatch) {
+    const size_t n = std::min(kBatch, addrs.size() - first);
+    std::array<CUstreamBatchMemOpParams, kBatch> ops{};
+    for (size_t i = 0; i < n; ++i) {
+      ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      ops[i].writeValue.address = static_cast<CUdeviceptr>(addrs[first + i]);
+      ops[i].writeValue.value64 = value;
+      // Default flags: each write is ordered after (and makes visible) all
+      // earlier work of the stream, and the writes land in array order.
+      ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    CUresult r = api->stream_batch_mem_op(static_cast<CUstream>(stream), static_cast<unsigned int>(n), ops.data(), 0);
     if (r != CUDA_SUCCESS) {
       if (sticky != nullptr && IsStickyCudaError(r)) *sticky = true;
-      return Status::Internal("cuStreamWriteValue64_v2: ", DriverErrorString(r));
+      return Status::Internal("cuStreamBatchMemOp_v2 (", n, " writes): ", DriverErrorString(r));
     }
   }
   return Status::Ok();

@@ -63,7 +63,7 @@ class DeviceOps {
   // DeviceOps::WriteValue64
   //
   // Enqueues on `stream`, after the stream's earlier work, a 64-bit write of
-  // `value` to each address, in order (cuStreamWriteValue64_v2). Never waits
+  // `value` to each address, in order (one cuStreamBatchMemOp_v2). Never waits
   // for the GPU. INTERNAL on failure; `*sticky` (when non-null) is set when
   // the error leaves the CUDA context unusable.
   virtual Status WriteValue64(void* stream, std::span<const uint64_t> device_addresses,
