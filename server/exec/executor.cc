@@ -117,7 +117,13 @@ Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
 }
 
 void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done) {
-  Item item{session, std::move(req), std::move(done), Clock::now(), {}, nullptr, Status(), false, false};
+  Item item{.session = session,
+            .req = std::move(req),
+            .done = std::move(done),
+            .received = Clock::now(),
+            .answered_at = {},
+            .prepared = nullptr,
+            .verdict = Status()};
   if (stats_) item.row = stats_->per_op.Row(item.req.op, item.req.overload);
   Status reject = Enqueue(session, item);
   if (!reject.ok()) {
@@ -136,7 +142,16 @@ void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t 
   // Answered (and recorded) now, on this thread: the verdict is already
   // known. Queued as answered, so at its turn Finish only writes "done".
   req.transport = CallTransport::kRing;  // the one transport whose records can be undecodable
-  Item item{session, std::move(req), [](const Status&) {}, Clock::now(), Clock::now(), nullptr, reason, true, true};
+  const Clock::time_point now = Clock::now();
+  Item item{.session = session,
+            .req = std::move(req),
+            .done = [](const Status&) {},
+            .received = now,
+            .answered_at = now,
+            .prepared = nullptr,
+            .verdict = reason,
+            .validated = true,
+            .answered = true};
   if (stats_) item.row = stats_->per_op.other_row();
   // Its client reads `reason` whether or not the lane takes the seq; when it
   // does not, there is no "done" to write.
@@ -365,24 +380,24 @@ bool Executor::RunReady() {
       continue;
     }
     if (!dead) {
-      for (Item& item : q.items) {
-        if (!item.validated) {
-          Accept(q, item);
-          progress = true;
-        }
+      for (; q.validated < q.items.size(); ++q.validated) {
+        Item& item = q.items[q.validated];
+        if (item.validated) continue;
+        Accept(q, item);
+        progress = true;
       }
     }
     for (int n = 0; n < options_.max_calls_per_lane_turn && !q.items.empty(); ++n) {
       Item& item = q.items.front();
       if (dead) {
         Finish(q, item, fatal_status);
-        q.items.pop_front();
+        q.PopFront();
         progress = true;
         continue;
       }
       if (!item.verdict.ok()) {  // rejected at acceptance: its "done", in order
         Finish(q, item, item.verdict);
-        q.items.pop_front();
+        q.PopFront();
         progress = true;
         continue;
       }
@@ -413,7 +428,7 @@ bool Executor::RunReady() {
       Finish(q, item, s);
       Observe(item, CallStage::kInputsWait, run_start - item.answered_at);
       Observe(item, CallStage::kRun, Clock::now() - run_start);
-      q.items.pop_front();
+      q.PopFront();
       progress = true;
     }
     if (q.items.empty()) {
