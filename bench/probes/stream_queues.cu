@@ -393,8 +393,9 @@ static int HostCost(int n) {
     }
     CU(cuStreamBatchMemOp(cs, 2, ops, 0));
   };
+  auto write1 = [&](uint64_t v) { CU(cuStreamWriteValue64(cs, done, v, CU_STREAM_WRITE_VALUE_DEFAULT)); };
   auto write2 = [&](uint64_t v) {
-    CU(cuStreamWriteValue64(cs, done, v, CU_STREAM_WRITE_VALUE_DEFAULT));
+    write1(v);
     CU(cuStreamWriteValue64(cs, completed, v, CU_STREAM_WRITE_VALUE_DEFAULT));
   };
   auto wait = [&](uint64_t v) { CU(cuStreamWaitValue64(cs, ready, v, CU_STREAM_WAIT_VALUE_GEQ)); };
@@ -407,9 +408,7 @@ static int HostCost(int n) {
   for (int pass = 0; pass < 2; ++pass) {  // the first pass warms up
     rows.clear();
     rows.push_back({"kernel launch", EnqueueUs(s, n, launch)});
-    rows.push_back({"cuStreamWriteValue64", EnqueueUs(s, n, [&](uint64_t v) {
-                      CU(cuStreamWriteValue64(cs, done, v, CU_STREAM_WRITE_VALUE_DEFAULT));
-                    })});
+    rows.push_back({"cuStreamWriteValue64", EnqueueUs(s, n, write1)});
     rows.push_back({"cuStreamWaitValue64 (satisfied)", EnqueueUs(s, n, wait)});
     rows.push_back({"two writes, two calls", EnqueueUs(s, n, write2)});
     rows.push_back({"two writes, one cuStreamBatchMemOp", EnqueueUs(s, n, write2_batched)});
