@@ -679,11 +679,16 @@ TEST_F(LaunchAheadTest, AClientThatNeverSignalsCannotFillItsLaneStream) {
   const int n = 4 * o.max_calls_ahead;
   for (int i = 1; i <= n; ++i) executor_->Submit(stalled, Req(0, i), r.Slot(i));
   ASSERT_TRUE(r.Wait(n));
+  // Up to the bound behind the parked wait (a few turns of the lane) ...
+  ASSERT_TRUE(WaitUntil([&] { return WaitsOn(stalled->lane(0).stream) == size_t(o.max_calls_ahead); }));
+  // ... and no further while the executor goes on serving another session:
+  // the rest wait on the host. (Each check waits for the state it names:
+  // another session's "done" is written before the executor's books move.)
   for (int i = 1; i <= 3; ++i) executor_->Submit(busy, Req(0, i), r.Slot(1000 + i));
   SetInputsReady(*busy, 0, 3);
   ASSERT_TRUE(WaitUntil([&] { return busy->memory().Done(0) == 3; }));
-  EXPECT_EQ(WaitsOn(stalled->lane(0).stream), size_t(o.max_calls_ahead));  // the rest wait on the host
-  EXPECT_EQ(executor_->pending(), size_t(n - o.max_calls_ahead));
+  ASSERT_TRUE(WaitUntil([&] { return executor_->pending() == size_t(n - o.max_calls_ahead); }));
+  EXPECT_EQ(WaitsOn(stalled->lane(0).stream), size_t(o.max_calls_ahead));
   // Once the client signals, everything runs, in order.
   SetInputsReady(*stalled, 0, n);
   ASSERT_TRUE(WaitUntil([&] { return stalled->memory().Done(0) == uint64_t(n); }));
