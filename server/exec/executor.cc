@@ -117,13 +117,7 @@ Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
 }
 
 void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, Completion done) {
-  Item item{.session = session,
-            .req = std::move(req),
-            .done = std::move(done),
-            .received = Clock::now(),
-            .answered_at = {},
-            .prepared = nullptr,
-            .verdict = Status()};
+  Item item{.session = session, .req = std::move(req), .done = std::move(done), .received = Clock::now()};
   if (stats_) item.row = stats_->per_op.Row(item.req.op, item.req.overload);
   Status reject = Enqueue(session, item);
   if (!reject.ok()) {
@@ -148,9 +142,7 @@ void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t 
             .done = [](const Status&) {},
             .received = now,
             .answered_at = now,
-            .prepared = nullptr,
             .verdict = reason,
-            .validated = true,
             .answered = true};
   if (stats_) item.row = stats_->per_op.other_row();
   // Its client reads `reason` whether or not the lane takes the seq; when it
@@ -323,7 +315,6 @@ void Executor::Accept(LaneQueue& q, Item& item) {
   if (s.ok()) s = runner_->Validate(*item.prepared);
   if (!s.ok()) item.prepared.reset();
   item.verdict = s;
-  item.validated = true;
   item.answered_at = Clock::now();
   Observe(item, CallStage::kAccept, item.answered_at - item.received);
   // A host-ordered call that passed is answered once it has run (Answer()).
@@ -382,7 +373,7 @@ bool Executor::RunReady() {
     if (!dead) {
       for (; q.validated < q.items.size(); ++q.validated) {
         Item& item = q.items[q.validated];
-        if (item.validated) continue;
+        if (!item.verdict.ok()) continue;  // its transport rejected it
         Accept(q, item);
         progress = true;
       }

@@ -212,11 +212,12 @@ class Executor {
     std::shared_ptr<Session> session;
     CallRequest req;
     Completion done;
-    std::chrono::steady_clock::time_point received;
-    std::chrono::steady_clock::time_point answered_at;
-    std::unique_ptr<PreparedCall> prepared;
-    Status verdict;        // validation outcome; a rejected call only writes "done"
-    bool validated = false;  // Accept has run, or it came rejected (SubmitRejected)
+    std::chrono::steady_clock::time_point received{};
+    std::chrono::steady_clock::time_point answered_at{};
+    std::unique_ptr<PreparedCall> prepared{};
+    // Validation outcome; a rejected call only writes "done". Not OK before
+    // Accept only for a call its transport rejected (SubmitRejected).
+    Status verdict{};
     bool answered = false;   // `done` has run
     bool recorded = false;   // Record has run
     size_t row = 0;          // the op's row of DaemonStats::per_op
@@ -232,8 +233,9 @@ class Executor {
     std::shared_ptr<Session> session;
     Lane* lane = nullptr;
     std::deque<Item> items;
-    // items[0, validated) are validated: a prefix, since items are appended
-    // at the back, accepted in order and taken from the front. Kept so that
+    // items[0, validated) have been through Accept (or came rejected): a
+    // prefix, since items are appended at the back, accepted in order and
+    // taken from the front. Kept so that
     // a pass over a deep queue costs what its new items cost, not its depth
     // (a client far ahead of its GPU queues many).
     size_t validated = 0;

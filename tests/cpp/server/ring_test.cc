@@ -426,7 +426,9 @@ class CapturingRunner : public FakeRunner {
                  std::unique_ptr<PreparedCall>* out) override {
     {
       std::unique_lock<std::mutex> lock(gate_mu_);
+      ++waiting_;
       gate_cv_.wait(lock, [&] { return open_; });
+      --waiting_;
       seen_.push_back(req);
     }
     return FakeRunner::Prepare(req, regions, out);
@@ -446,11 +448,17 @@ class CapturingRunner : public FakeRunner {
     std::lock_guard<std::mutex> lock(gate_mu_);
     return seen_;
   }
+  // Threads held in Prepare now.
+  int waiting() {
+    std::lock_guard<std::mutex> lock(gate_mu_);
+    return waiting_;
+  }
 
  private:
   std::mutex gate_mu_;
   std::condition_variable gate_cv_;
   bool open_ = true;
+  int waiting_ = 0;
   std::vector<CallRequest> seen_;
 };
 
@@ -1273,7 +1281,9 @@ TEST_F(RingDaemonTest, ClientDeathWithRecordsPendingLeavesTheDaemonHealthy) {
   ASSERT_TRUE(client.Wait(3, &c));
   runner_.Hold();
   for (uint64_t seq = 1; seq <= 3; ++seq) client.Publish(RecordBuilder(0, 1, seq));
-  ASSERT_TRUE(WaitUntil([&] { return client.head() >= 5; }));
+  // Taken is not yet held: the client must die while the executor is in
+  // that validation, not before it gets there.
+  ASSERT_TRUE(WaitUntil([&] { return client.head() >= 5 && runner_.waiting() == 1; }));
   // More records that the daemon may or may not take before it notices.
   for (uint64_t seq = 5; seq <= 8; ++seq) client.Publish(RecordBuilder(0, 0, seq), /*wake=*/false);
   close(b.channel_fd);  // the client dies
