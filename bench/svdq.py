@@ -69,6 +69,10 @@ def inputs(m: int, k: int, n: int, device: str = "cuda", seed: int = 0) -> dict:
     }
 
 
+# ~100 us at the H200's clocks: more than one call's host time (the functional ops ~20 us).
+SPIN_CYCLES = 200_000
+
+
 def linear_calls(ops, t: dict):
     """(quant, gemm): zero-argument calls of the two ``.out`` overloads the W4A4 linear is made of, on
     ``inputs``' tensors; ``ops`` is the process's ``torch.ops.cache_dit_cuda_ops`` (the kernel library's ops,
@@ -84,14 +88,18 @@ def linear_calls(ops, t: dict):
     return quant, gemm
 
 
-def device_time(fn, iters: int) -> float:
+def device_time(fn, iters: int, spin: bool = True) -> float:
     """Median seconds per call over `iters` timed calls, after warm-up: CUDA events on the current stream
-    around one call, waited for after each."""
+    around one call, waited for after each. With `spin`, a spin kernel ahead of the first event keeps the GPU
+    busy while the host enqueues the call, so the time is the device's, not the host's launch latency (which
+    in a model overlaps the previous layer's kernels); without it, the host's time to enqueue is counted."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin:
+            torch.cuda._sleep(SPIN_CYCLES)
         a.record()
         fn()
         b.record()

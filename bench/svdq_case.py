@@ -7,7 +7,8 @@ per mode: in-process (kernel library loaded), ring async, ring sync, gRPC. The l
 output), timed two ways on the caller's stream:
 
 - isolated: CUDA events around one linear, waited for after each, median of ``iters`` (bench/svdq.py's
-  ``device_time``): what one layer costs its caller, the hand-offs to and from the daemon included;
+  ``device_time`` without its spin kernel): what one layer costs its caller, the host's time to enqueue
+  and the hand-offs to and from the daemon included;
 - pipelined: ``n`` linears back to back, then one synchronize, median of ``reps`` (the pipelined case's
   ``pipelined``): throughput, the hand-offs overlapping the kernels.
 
@@ -60,7 +61,7 @@ def measure(ops, sync, m: int, k: int, n: int, p: dict) -> dict:
         quant()
         gemm()
 
-    isolated = svdq.device_time(linear, p["iters"])
+    isolated = svdq.device_time(linear, p["iters"], spin=False)
     pipe = pipelined(linear, sync, p["n"], p["reps"], p["warmup"])
     sync()  # and, for the client, any error the daemon reported
     return {"m": m, "k": k, "n": n, "rank": svdq.RANK, "isolated_us": isolated * 1e6,

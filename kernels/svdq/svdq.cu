@@ -57,8 +57,46 @@ __device__ __forceinline__ int clamp_q(int q) { return max(-8, min(7, q)); }
 // lora: this launch's rank tiles [tile0, tile0 + kTiles) of the split's
 // partial sums, lora + split * m_pad * rank.
 constexpr int kQuantWarps = 8;
+constexpr int kQuantBlocks = 2;  // resident per SM (128 registers); 3 or 4 (no loads ahead) measured slower
 constexpr int kDownTiles = 4;  // rank tiles of 16 one launch accumulates in registers
 constexpr int64_t kMaxSplitGroups = 128;  // 32 KB of 1 / smooth_factor per block, within the 48 KB default
+
+// Two adjacent model-dtype values (one 32-bit word) as floats, and two floats
+// rounded to the model dtype with one packed conversion (F2FP) where one
+// scalar conversion per value was: conversions issue to a narrower pipe than
+// FP32 arithmetic.
+__device__ __forceinline__ float2 to_float2(uint32_t w, __nv_bfloat16) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+}
+__device__ __forceinline__ float2 to_float2(uint32_t w, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ uint32_t round_to2(float2 v, __nv_bfloat16) {
+  const __nv_bfloat162 h = __float22bfloat162_rn(v);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t round_to2(float2 v, __half) {
+  const __half2 h = __float22half2_rn(v);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// round_half_even(t) saturated to [-8, 7] and NaN kept (its e4m3 code is
+// NaN, so the row's outputs are NaN), in FP32 arithmetic instead of a
+// float-to-int and an int-to-float conversion: adding and subtracting
+// 1.5 * 2^23 rounds any |t| < 2^22 to an integer, ties to even (explicit
+// _rn adds, so nothing contracts into an FMA); +-inf stays inf and saturates.
+__device__ __forceinline__ float round_clamp_q(float t) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  const float r = __fsub_rn(__fadd_rn(t, kMagic), kMagic);
+#if __CUDA_ARCH__ >= 800
+  float q;
+  asm("min.NaN.f32 %0, %1, 0f40E00000;" : "=f"(q) : "f"(r));  // 7
+  asm("max.NaN.f32 %0, %1, 0fC1000000;" : "=f"(q) : "f"(q));  // -8
+  return q;
+#else
+  return r != r ? r : fmaxf(-8.f, fminf(7.f, r));
+#endif
+}
 
 template <typename T>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4][4], const T* const (&rows)[2], int64_t gi, int t) {
@@ -74,7 +112,7 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4][4], const T* const (&row
 }
 
 template <typename T, int kTiles>
-__global__ void __launch_bounds__(32 * kQuantWarps, 2)
+__global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
     quantize_act_kernel(const T* __restrict__ x, const T* __restrict__ smooth, const T* __restrict__ down,
                         uint8_t* __restrict__ q, T* __restrict__ scales, float* __restrict__ lora, int64_t m_rows,
                         int64_t m_pad, int64_t k_dim, int64_t rank, int tile0, int64_t groups_per_split,
@@ -135,13 +173,17 @@ __global__ void __launch_bounds__(32 * kQuantWarps, 2)
           const float4 inv = smooth != nullptr ? inv_smooth[(gi - g_begin) * 16 + st * 4 + t] : float4{};
           const float iv[4] = {inv.x, inv.y, inv.z, inv.w};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const uint32_t pair = a[st][h + 2 * (e / 2)];
-            float xv = to_float(reinterpret_cast<const T*>(&pair)[e % 2]);
+          for (int e = 0; e < 4; e += 2) {  // a word holds columns e and e + 1
+            uint32_t pair = a[st][h + e];
             // x * (1 / s) rounded to the model dtype, as the reference
-            if (smooth != nullptr) xv = to_float(from_float<T>(__fmul_rn(xv, iv[e])));
-            v[st * 4 + e] = xv;
-            amax = fmaxf(amax, fabsf(xv));
+            if (smooth != nullptr) {
+              const float2 x2 = to_float2(pair, T{});
+              pair = round_to2(make_float2(__fmul_rn(x2.x, iv[e]), __fmul_rn(x2.y, iv[e + 1])), T{});
+            }
+            const float2 xv = to_float2(pair, T{});
+            v[st * 4 + e] = xv.x;
+            v[st * 4 + e + 1] = xv.y;
+            amax = fmaxf(amax, fmaxf(fabsf(xv.x), fabsf(xv.y)));
           }
         }
         amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
@@ -152,11 +194,10 @@ __global__ void __launch_bounds__(32 * kQuantWarps, 2)
         for (int st = 0; st < 4; ++st) {
 #pragma unroll
           for (int e = 0; e < 4; e += 2) {  // e4m3 codes (exact) of two neighbouring columns
-            const int q0 = clamp_q(__float2int_rn(__fmul_rn(v[st * 4 + e], recip)));
-            const int q1 = clamp_q(__float2int_rn(__fmul_rn(v[st * 4 + e + 1], recip)));
+            const float q0 = round_clamp_q(__fmul_rn(v[st * 4 + e], recip));
+            const float q1 = round_clamp_q(__fmul_rn(v[st * 4 + e + 1], recip));
             *reinterpret_cast<__nv_fp8x2_storage_t*>(&codes[warp][g + 8 * h][st * 16 + 2 * t + (e / 2) * 8]) =
-                __nv_cvt_float2_to_fp8x2(make_float2(static_cast<float>(q0), static_cast<float>(q1)), __NV_SATFINITE,
-                                         __NV_E4M3);
+                __nv_cvt_float2_to_fp8x2(make_float2(q0, q1), __NV_SATFINITE, __NV_E4M3);
           }
         }
         const int64_t row = m0 + g + 8 * h;
@@ -323,21 +364,27 @@ void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, 
     return;
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // Split K when the 16-row tiles alone would leave the SMs short of warps
-  // (two blocks of 8 per SM); with LoRA a split's partial sums cost a write
-  // and a read of [M_pad, R], so each split keeps at least 4 groups.
-  const int64_t tiles_m = cuda::ceil_div(m_pad, 16);
-  const int64_t want = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 16;
-  // A split's 1 / smooth_factor (kMaxSplitGroups * 256 bytes at most) sits in shared memory.
+  // Split K so that the blocks fill the SMs: they run in waves of
+  // (SMs x resident blocks), and a block's time grows with its groups, so
+  // take the split count whose waves x groups-per-block is least (fewest
+  // splits on a tie: with LoRA a split's partial sums cost a write and a
+  // read of [M_pad, R], and each split keeps at least 4 groups). A split's
+  // 1 / smooth_factor (kMaxSplitGroups * 256 bytes at most) sits in shared memory.
+  const int64_t tiles_m = cuda::ceil_div(m_pad, 16), row_blocks = cuda::ceil_div(tiles_m, kQuantWarps);
+  const int64_t slots = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * kQuantBlocks;
   const int64_t max_splits = rank > 0 ? std::max<int64_t>(1, groups / 4) : groups;
   const int64_t min_splits = cuda::ceil_div(groups, kMaxSplitGroups);
-  const int64_t per_split = cuda::ceil_div(
-      groups, std::max(min_splits, std::clamp<int64_t>(cuda::ceil_div(want, tiles_m), 1, max_splits)));
+  int64_t per_split = groups, best_cost = -1;
+  for (int64_t want = min_splits; want <= std::max(min_splits, max_splits); ++want) {
+    const int64_t per = cuda::ceil_div(groups, want);
+    const int64_t cost = cuda::ceil_div(row_blocks * cuda::ceil_div(groups, per), slots) * per;
+    if (best_cost < 0 || cost < best_cost) best_cost = cost, per_split = per;
+  }
   const int64_t splits = cuda::ceil_div(groups, per_split);
   const size_t smem = smooth ? static_cast<size_t>(per_split) * 64 * sizeof(float) : 0;
   at::Tensor partial =
       splits > 1 && rank > 0 ? at::empty({splits, m_pad, rank}, lora_act_out.options()) : lora_act_out;
-  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(tiles_m, kQuantWarps)), static_cast<unsigned>(splits));
+  const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(splits));
   dispatch_half(input.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     // The first launch quantizes (and takes the first rank tiles); ranks past

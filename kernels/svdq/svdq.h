@@ -22,7 +22,10 @@
 //        oscales [G, M_pad] T row-major: scale of (row m, group g) at g * M_pad + m
 //        lora_act_out [M_pad, R] float32 row-major: x @ proj_down (raw x)
 //     Rows m >= M come out as q 0, scale 0, lora_act 0. Numerics:
-//     kernels/svdq_reference.py quantize_act (bit-exact).
+//     kernels/svdq_reference.py quantize_act (bit-exact) for finite input. A
+//     NaN or infinite element gets the e4m3 NaN code (the reference's int8
+//     codes cannot hold it); a NaN takes no part in its group's amax, an inf
+//     makes the group's scale inf and its finite elements 0.
 //   svdq_gemm_w4a4
 //     act, ascales as produced above (M_pad rows); wgt [N, K/2] int8 packed
 //     (qweight), N % 128 == 0; wscales [G, N] T packed; lora_act_in [M_pad, R]

@@ -83,6 +83,39 @@ def test_activation_quantizer_is_bit_exact_and_lora_down_close(ops, dtype, m, k,
         assert torch.all(la[m:] == 0)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_activation_quantizer_ties_round_to_even_and_non_finite_values_give_nan_codes(ops, dtype):
+    # Group 0: amax 7, so scale = 7 * fp32(1/7) = 1 and every x * (1 / scale) is x: the halves are
+    # ties (0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -2.5 -> -2, 6.5 -> 6), exactly representable in both dtypes.
+    k = 256
+    x = torch.zeros(2, k, dtype=dtype)
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 6.5, 7.0, -7.0, -6.5], dtype=dtype)
+    x[0, :ties.numel()] = ties
+    x[1] = rand(k, dtype=dtype, seed=3).cpu()
+    x[1, 70] = float("nan")  # group 1: a NaN element
+    x[1, 130] = float("inf")  # group 2: an inf element (scale inf, reciprocal 0)
+    want_q, want_s = sq.quantized_act_outputs(x[:1], None, 16)
+    outs = {"output": poisoned((16, k), FP8), "oscales": poisoned((k // 64, 16), dtype),
+            "lora_act_out": poisoned((16, 0), F32)}
+    ops.svdq_quantize_w4a4_act_fuse_lora.out(x.to(DEV), None, None, False, False, 16, **outs)
+    q = outs["output"].cpu()
+    assert_bitwise(q[0], want_q[0])
+    assert q[0, :ties.numel()].float().tolist() == [0, 2, 2, 0, -2, -2, 4, 6, 7, -7, -6]
+    # The NaN and the inf element get NaN codes (their row's outputs are NaN, as a float linear's);
+    # every other element of those groups quantizes as usual (finite ones of the inf group to 0).
+    assert torch.isnan(q[1].float()).nonzero().flatten().tolist() == [70, 130]
+    assert torch.all(q[1, 128:192].float().nan_to_num(0) == 0)
+    assert torch.isinf(outs["oscales"][2, 1].float())
+    # The NaN takes no part in its group's amax (the other 63 elements' codes are the reference's
+    # with the NaN read as 0, an amax-neutral value here since the group has nonzero elements).
+    clean = x[1:, :128].clone()
+    clean[0, 70] = 0
+    finite_q, finite_s = sq.quantized_act_outputs(clean, None, 16)
+    keep = [i for i in range(128) if i != 70]
+    assert_bitwise(q[1, keep], finite_q[0, keep])
+    assert_bitwise(outs["oscales"][:2, 1].cpu(), finite_s[:, 0])
+
+
 def _layer(dtype, m, n, k, r, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
