@@ -43,23 +43,29 @@ __device__ __forceinline__ int clamp_q(int q) { return max(-8, min(7, q)); }
 // ---- kernels ---------------------------------------------------------------------------------------------
 
 // The activation quantizer and LoRA-down in one pass over x. A warp takes 16
-// rows and a run of 64-groups; per 16-column step its lane 4 g + t holds the
-// m16n8k16 A fragment (rows g and g + 8, columns 2 t (+ 1) and 2 t + 8 (+ 1)),
-// which is at once LoRA-down's MMA operand (raw x, fp32 accumulators, the
-// packed proj_down is the B fragments) and the quantizer's input: the packed
-// smooth_factor holds exactly those four columns in 4 consecutive entries,
-// and a row's 64 values of a group sit in the 4 lanes of its g. The 8 warps
-// of a block take consecutive 16-row tiles over the same groups, so each
-// proj_down fragment comes from L2 once per block. Rows >= m_rows read as 0.
-// The next group's x and this group's proj_down fragments are loaded before
-// this group is worked on (waiting for them was the top stall, ncu).
+// rows and a run of 64-groups, and streams each group's 16 x 64 tile of x
+// into its ring of kQuantStages shared tiles with 16-byte cp.async (rows
+// >= m_rows fill with zeros), kQuantStages - 1 groups ahead: the loads in
+// flight come without registers. Lane l owns 8 consecutive values (columns
+// 8 (l % 8) ..) of rows l / 8, + 4, + 8, + 12, the 16-byte chunks it copied
+// itself: a row's group sits in 8 lanes, which quantize it and store its 64
+// codes as 8-byte pieces. Chunks are XOR-swizzled by row, so that the
+// ldmatrix reads that give LoRA-down its m16n8k16 A fragments (raw x; the
+// packed proj_down is the B fragments) touch no bank twice. (The kernel
+// before loaded x as those fragments directly, 4-byte loads that each
+// touched 8 rows, and staged codes through 2-byte shared stores: L1-bound,
+// ncu.) The 8 warps of a block take consecutive 16-row tiles over the same
+// groups, so each proj_down fragment comes from L2 once per block.
 //
 // lora: this launch's rank tiles [tile0, tile0 + kTiles) of the split's
 // partial sums, lora + split * m_pad * rank.
 constexpr int kQuantWarps = 8;
-constexpr int kQuantBlocks = 2;  // resident per SM (128 registers); 3 or 4 (no loads ahead) measured slower
+constexpr int kQuantBlocks = 2;  // resident per SM (128 registers)
+constexpr int kQuantStages = 4;  // x tiles per warp (2 KB each)
 constexpr int kDownTiles = 4;  // rank tiles of 16 one launch accumulates in registers
-constexpr int64_t kMaxSplitGroups = 128;  // 32 KB of 1 / smooth_factor per block, within the 48 KB default
+constexpr int64_t kMaxSplitGroups = 128;  // 32 KB of 1 / smooth_factor per block
+constexpr size_t kQuantTileBytes = 16 * 128;
+constexpr size_t kQuantRingBytes = size_t{kQuantStages} * kQuantWarps * kQuantTileBytes;  // 64 KB
 
 // Two adjacent model-dtype values (one 32-bit word) as floats, and two floats
 // rounded to the model dtype with one packed conversion (F2FP) where one
@@ -88,27 +94,40 @@ __device__ __forceinline__ uint32_t round_to2(float2 v, __half) {
 __device__ __forceinline__ float round_clamp_q(float t) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
   const float r = __fsub_rn(__fadd_rn(t, kMagic), kMagic);
-#if __CUDA_ARCH__ >= 800
   float q;
   asm("min.NaN.f32 %0, %1, 0f40E00000;" : "=f"(q) : "f"(r));  // 7
   asm("max.NaN.f32 %0, %1, 0fC1000000;" : "=f"(q) : "f"(q));  // -8
   return q;
-#else
-  return r != r ? r : fmaxf(-8.f, fminf(7.f, r));
-#endif
 }
 
+// The packed smooth_factor's order within a 64-group (nunchaku's: a lane's
+// four m16n8k16 columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of step st at
+// st * 16 + 4 t): the packed index of logical column c.
+__device__ __forceinline__ int packed_channel(int c) {
+  const int st = c / 16, kk = c % 16;
+  return st * 16 + (kk % 8) / 2 * 4 + kk % 2 + 2 * (kk / 8);
+}
+
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) * 16); }
+
+// Copies this lane's 16 bytes of each of its 4 rows of group gi into the
+// tile at `tile` (zeros for rows past m_rows), as one cp.async group.
 template <typename T>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4][4], const T* const (&rows)[2], int64_t gi, int t) {
+__device__ __forceinline__ void copy_rows(uint32_t tile, const T* const (&rows)[4], const T* x, int64_t gi, int lane) {
 #pragma unroll
-  for (int st = 0; st < 4; ++st) {
-    const int64_t k = gi * 64 + st * 16 + 2 * t;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const T* row = rows[r % 2];
-      a[st][r] = row == nullptr ? 0u : *reinterpret_cast<const uint32_t*>(row + k + (r / 2) * 8);
-    }
+  for (int i = 0; i < 4; ++i) {
+    const T* src = rows[i] != nullptr ? rows[i] + gi * 64 + (lane % 8) * 8 : x;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tile + swizzled(i * 4 + lane / 8, lane % 8)),
+                 "l"(src), "r"(rows[i] != nullptr ? 16 : 0)
+                 : "memory");
   }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&d)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
 }
 
 template <typename T, int kTiles>
@@ -117,43 +136,57 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
                         uint8_t* __restrict__ q, T* __restrict__ scales, float* __restrict__ lora, int64_t m_rows,
                         int64_t m_pad, int64_t k_dim, int64_t rank, int tile0, int64_t groups_per_split,
                         bool quantize) {
-  __shared__ alignas(16) uint8_t codes[kQuantWarps][16][64];  // one group's e4m3 codes, for 16-byte stores
-  // 1 / smooth_factor over the split, in fp32 and the packed order: a
-  // 64-group's 64 entries are contiguous there (gi * 64 ..), so the split's
-  // are one run. Read from shared memory, not from L2 (the quantizer's top
-  // stall, ncu), and each reciprocal computed once per block, not per row.
-  extern __shared__ float4 inv_smooth[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // The warps' x rings, then 1 / smooth_factor over the split in fp32 and
+  // logical channel order (each reciprocal computed once per block).
+  extern __shared__ float4 smem[];
+  const float4* inv_smooth = smem + kQuantRingBytes / sizeof(float4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = lane % 8;
   const int64_t groups = k_dim / 64, rank_tiles = rank / 16;
   const int64_t g_begin = int64_t{blockIdx.y} * groups_per_split, g_end = min(groups, g_begin + groups_per_split);
   if (quantize && smooth != nullptr) {
-    float* inv = reinterpret_cast<float*>(inv_smooth);
+    float* inv = reinterpret_cast<float*>(smem + kQuantRingBytes / sizeof(float4));
     for (int64_t i = threadIdx.x; i < (g_end - g_begin) * 64; i += blockDim.x) {
-      inv[i] = __frcp_rn(to_float(smooth[g_begin * 64 + i]));
+      inv[i] = __frcp_rn(to_float(smooth[(g_begin + i / 64) * 64 + packed_channel(static_cast<int>(i % 64))]));
     }
   }
   __syncthreads();
   const int64_t m0 = (int64_t{blockIdx.x} * kQuantWarps + warp) * 16;
   if (m0 >= m_pad) return;  // the whole warp (no block-wide barrier below)
-  const T* rows[2] = {m0 + g < m_rows ? x + (m0 + g) * k_dim : nullptr,
-                      m0 + g + 8 < m_rows ? x + (m0 + g + 8) * k_dim : nullptr};
+  const T* rows[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t row = m0 + i * 4 + lane / 8;
+    rows[i] = row < m_rows ? x + row * k_dim : nullptr;
+  }
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
+                        static_cast<uint32_t>(warp * kQuantStages * kQuantTileBytes);
+  auto stage = [&](int64_t gi) { return ring + static_cast<uint32_t>((gi - g_begin) % kQuantStages * kQuantTileBytes); };
   float acc[kTiles > 0 ? kTiles : 1][8] = {};
+  constexpr bool kPrefetch = kTiles > 0 && kTiles <= 2;
 
-  // Up to 2 rank tiles' fragments are loaded ahead; more would not fit the registers.
-  constexpr bool kPrefetch = kTiles <= 2;
-  uint32_t next[4][4];  // step s: (row g, 2 t), (row g + 8, 2 t), (row g, 2 t + 8), (row g + 8, 2 t + 8)
-  if (g_begin < g_end) load_a<T>(next, rows, g_begin, t);
-  for (int64_t gi = g_begin; gi < g_end; ++gi) {
-    uint32_t a[4][4];
+  // Groups g_begin .. + kQuantStages - 2 in flight; every iteration commits
+  // one group (empty past the end), so "all but the newest kQuantStages - 2
+  // complete" always means this group's tile has landed.
 #pragma unroll
-    for (int st = 0; st < 4; ++st) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[st][r] = next[st][r];
+  for (int s = 0; s < kQuantStages - 1; ++s) {
+    if (g_begin + s < g_end) {
+      copy_rows<T>(stage(g_begin + s), rows, x, g_begin + s, lane);
+    } else {
+      asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    if (gi + 1 < g_end) load_a<T>(next, rows, gi + 1, t);
+  }
+  for (int64_t gi = g_begin; gi < g_end; ++gi) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kQuantStages - 2) : "memory");
+    __syncwarp();  // every lane's chunks of this tile landed; the previous group's reads of its slot are done
+    if (gi + kQuantStages - 1 < g_end) {
+      copy_rows<T>(stage(gi + kQuantStages - 1), rows, x, gi + kQuantStages - 1, lane);
+    } else {
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    const uint32_t tile = stage(gi);
     // This group's proj_down fragments now, used after the quantizer's
-    // arithmetic has covered their latency.
-    uint4 b[4][kPrefetch && kTiles > 0 ? kTiles : 1];
+    // arithmetic has covered their latency (up to 2 rank tiles: registers).
+    uint4 b[4][kPrefetch ? kTiles : 1];
 #pragma unroll
     for (int st = 0; st < 4; ++st) {
 #pragma unroll
@@ -162,62 +195,61 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
       }
     }
     if (quantize) {
+      float iv[8] = {};
+      if (smooth != nullptr) {
+        const float4 lo = inv_smooth[(gi - g_begin) * 16 + c * 2], hi = inv_smooth[(gi - g_begin) * 16 + c * 2 + 1];
+        iv[0] = lo.x, iv[1] = lo.y, iv[2] = lo.z, iv[3] = lo.w, iv[4] = hi.x, iv[5] = hi.y, iv[6] = hi.z, iv[7] = hi.w;
+      }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // row g + 8 h: one row at a time keeps 16 values live, not 32
-        float v[16];  // step s, columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9
+      for (int i = 0; i < 4; ++i) {
+        uint4 xv;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(xv.x), "=r"(xv.y), "=r"(xv.z), "=r"(xv.w)
+                     : "r"(tile + swizzled(i * 4 + lane / 8, c)));
+        const uint32_t w[4] = {xv.x, xv.y, xv.z, xv.w};
+        float v[8];
         float amax = 0.f;
 #pragma unroll
-        for (int st = 0; st < 4; ++st) {
-          // Packed smooth: columns 16 j + {2 t, 2 t + 1, 2 t + 8, 2 t + 9} of a 128-block at
-          // (j * 4 + t) * 4, so step st of group gi at gi * 64 + st * 16 + 4 t (read per row: registers).
-          const float4 inv = smooth != nullptr ? inv_smooth[(gi - g_begin) * 16 + st * 4 + t] : float4{};
-          const float iv[4] = {inv.x, inv.y, inv.z, inv.w};
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {  // a word holds columns e and e + 1
-            uint32_t pair = a[st][h + e];
-            // x * (1 / s) rounded to the model dtype, as the reference
-            if (smooth != nullptr) {
-              const float2 x2 = to_float2(pair, T{});
-              pair = round_to2(make_float2(__fmul_rn(x2.x, iv[e]), __fmul_rn(x2.y, iv[e + 1])), T{});
-            }
-            const float2 xv = to_float2(pair, T{});
-            v[st * 4 + e] = xv.x;
-            v[st * 4 + e + 1] = xv.y;
-            amax = fmaxf(amax, fmaxf(fabsf(xv.x), fabsf(xv.y)));
+        for (int j = 0; j < 4; ++j) {
+          uint32_t pair = w[j];
+          // x * (1 / s) rounded to the model dtype, as the reference
+          if (smooth != nullptr) {
+            const float2 x2 = to_float2(pair, T{});
+            pair = round_to2(make_float2(__fmul_rn(x2.x, iv[2 * j]), __fmul_rn(x2.y, iv[2 * j + 1])), T{});
           }
+          const float2 f = to_float2(pair, T{});
+          v[2 * j] = f.x;
+          v[2 * j + 1] = f.y;
+          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
         }
+        // The row's 8 lanes are lane ^ 1, ^ 2, ^ 4.
         amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
         const float scale = __fmul_rn(amax, 1.0f / 7.0f);
         const float recip = scale == 0.f ? 0.f : __frcp_rn(scale);
+        uint32_t codes[2];
 #pragma unroll
-        for (int st = 0; st < 4; ++st) {
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {  // e4m3 codes (exact) of two neighbouring columns
-            const float q0 = round_clamp_q(__fmul_rn(v[st * 4 + e], recip));
-            const float q1 = round_clamp_q(__fmul_rn(v[st * 4 + e + 1], recip));
-            *reinterpret_cast<__nv_fp8x2_storage_t*>(&codes[warp][g + 8 * h][st * 16 + 2 * t + (e / 2) * 8]) =
-                __nv_cvt_float2_to_fp8x2(make_float2(q0, q1), __NV_SATFINITE, __NV_E4M3);
-          }
+        for (int j = 0; j < 4; ++j) {  // e4m3 codes (exact) of two neighbouring columns
+          const uint32_t two = __nv_cvt_float2_to_fp8x2(
+              make_float2(round_clamp_q(__fmul_rn(v[2 * j], recip)), round_clamp_q(__fmul_rn(v[2 * j + 1], recip))),
+              __NV_SATFINITE, __NV_E4M3);
+          codes[j / 2] = j % 2 == 0 ? two : codes[j / 2] | two << 16;
         }
-        const int64_t row = m0 + g + 8 * h;
-        if (t == 0 && row < m_pad) scales[gi * m_pad + row] = from_float<T>(scale);
-      }
-      __syncwarp();
-      {  // lane: row lane / 2, bytes 32 (lane % 2) .. + 31 of the group
-        const int row = lane / 2, half = lane % 2;
-        if (m0 + row < m_pad) {
-          const uint4* src = reinterpret_cast<const uint4*>(&codes[warp][row][half * 32]);
-          uint4* dst = reinterpret_cast<uint4*>(q + (m0 + row) * k_dim + gi * 64 + half * 32);
-          dst[0] = src[0];
-          dst[1] = src[1];
+        const int64_t row = m0 + i * 4 + lane / 8;
+        if (row < m_pad) {
+          *reinterpret_cast<uint2*>(q + row * k_dim + gi * 64 + c * 8) = make_uint2(codes[0], codes[1]);
+          if (c == 0) scales[gi * m_pad + row] = from_float<T>(scale);
         }
       }
-      __syncwarp();
     }
     if constexpr (kTiles > 0) {
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
+        // Matrices: rows 0-7 | 8-15 of columns 16 st .. + 7, then of + 8 .. + 15: the A fragment's order.
+        const int mat = lane / 8, row = (mat % 2) * 8 + lane % 8;
+        uint32_t a[4];
+        ldmatrix_x4(a, tile + swizzled(row, 2 * st + mat / 2));
         const T* frag = down + ((gi * 4 + st) * rank_tiles + tile0) * 256 + lane * 8;
 #pragma unroll
         for (int rt = 0; rt < kTiles; ++rt) {
@@ -227,13 +259,14 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
           } else {
             bb = *reinterpret_cast<const uint4*>(frag + rt * 256);
           }
-          mma_16816<T>(acc[rt][0], acc[rt][1], acc[rt][2], acc[rt][3], a[st], bb.x, bb.y);
-          mma_16816<T>(acc[rt][4], acc[rt][5], acc[rt][6], acc[rt][7], a[st], bb.z, bb.w);
+          mma_16816<T>(acc[rt][0], acc[rt][1], acc[rt][2], acc[rt][3], a, bb.x, bb.y);
+          mma_16816<T>(acc[rt][4], acc[rt][5], acc[rt][6], acc[rt][7], a, bb.z, bb.w);
         }
       }
     }
   }
   if constexpr (kTiles == 0) return;
+  const int g = lane / 4, t = lane % 4;
   float* out = lora + int64_t{blockIdx.y} * m_pad * rank;
 #pragma unroll
   for (int rt = 0; rt < kTiles; ++rt) {
@@ -350,6 +383,19 @@ const T* ptr_or_null(const OptTensor& t) {
   return t ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
 }
 
+// The quantizer's instantiation, allowed its ring and smooth table (over
+// the 48 KB default) the first time it is taken.
+template <typename T, int kTiles>
+auto* quant_kernel() {
+  static auto* const kernel = [] {
+    auto* k = quantize_act_kernel<T, kTiles>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kQuantRingBytes + kMaxSplitGroups * 64 * sizeof(float))));
+    return k;
+  }();
+  return kernel;
+}
+
 void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, const OptTensor& smooth, bool fuse_glu,
                            bool fp4, int64_t pad_size, at::Tensor& output, at::Tensor& oscales,
                            at::Tensor& lora_act_out) {
@@ -381,7 +427,7 @@ void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, 
     if (best_cost < 0 || cost < best_cost) best_cost = cost, per_split = per;
   }
   const int64_t splits = cuda::ceil_div(groups, per_split);
-  const size_t smem = smooth ? static_cast<size_t>(per_split) * 64 * sizeof(float) : 0;
+  const size_t smem = kQuantRingBytes + (smooth ? static_cast<size_t>(per_split) * 64 * sizeof(float) : 0);
   at::Tensor partial =
       splits > 1 && rank > 0 ? at::empty({splits, m_pad, rank}, lora_act_out.options()) : lora_act_out;
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(splits));
@@ -392,11 +438,11 @@ void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, 
     const int64_t rank_tiles = rank / 16;
     for (int64_t tile0 = 0; tile0 == 0 || tile0 < rank_tiles; tile0 += kDownTiles) {
       const int64_t tiles = std::min<int64_t>(kDownTiles, rank_tiles - tile0);
-      auto* kernel = tiles == 0   ? quantize_act_kernel<T, 0>
-                     : tiles == 1 ? quantize_act_kernel<T, 1>
-                     : tiles == 2 ? quantize_act_kernel<T, 2>
-                     : tiles == 3 ? quantize_act_kernel<T, 3>
-                                  : quantize_act_kernel<T, 4>;
+      auto* kernel = tiles == 0   ? quant_kernel<T, 0>()
+                     : tiles == 1 ? quant_kernel<T, 1>()
+                     : tiles == 2 ? quant_kernel<T, 2>()
+                     : tiles == 3 ? quant_kernel<T, 3>()
+                                  : quant_kernel<T, 4>();
       kernel<<<grid, 32 * kQuantWarps, smem, stream>>>(
           reinterpret_cast<const T*>(input.data_ptr()), ptr_or_null<T>(smooth), ptr_or_null<T>(lora_down),
           static_cast<uint8_t*>(output.data_ptr()), reinterpret_cast<T*>(oscales.data_ptr()),
