@@ -108,6 +108,7 @@ Status Executor::Enqueue(const std::shared_ptr<Session>& session, Item& item) {
       return Status::Rejected(Reason::kLaneSequence, "lane ", lane_index, ": expected seq ", lane.next_seq, ", got ", seq);
     }
     ++lane.next_seq;
+    item.held = HeldCall(session.get());
     intake_.push_back(std::move(item));
     ++pending_;
     news_.store(true, std::memory_order_release);

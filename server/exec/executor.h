@@ -91,6 +91,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/call.h"
@@ -208,6 +209,29 @@ class Executor {
   bool failed() const;
 
  private:
+  // An item's place in its session's `held` count, from Enqueue until the
+  // item is destroyed (finished, dropped or refused: every path).
+  class HeldCall {
+   public:
+    HeldCall() = default;
+    explicit HeldCall(Session* s) : session_(s) { session_->held.fetch_add(1, std::memory_order_relaxed); }
+    HeldCall(HeldCall&& o) noexcept : session_(std::exchange(o.session_, nullptr)) {}
+    HeldCall& operator=(HeldCall&& o) noexcept {
+      if (this != &o) {
+        Reset();
+        session_ = std::exchange(o.session_, nullptr);
+      }
+      return *this;
+    }
+    ~HeldCall() { Reset(); }
+
+   private:
+    void Reset() {
+      if (session_ != nullptr) session_->held.fetch_sub(1, std::memory_order_release);
+      session_ = nullptr;
+    }
+    Session* session_ = nullptr;
+  };
   struct Item {
     std::shared_ptr<Session> session;
     CallRequest req;
@@ -221,6 +245,7 @@ class Executor {
     bool answered = false;   // `done` has run
     bool recorded = false;   // Record has run
     size_t row = 0;          // the op's row of DaemonStats::per_op
+    HeldCall held{};         // set by Enqueue
   };
   // A host-ordered call that ran, answered once its lane stream passed it.
   struct Awaiting {

@@ -87,7 +87,10 @@ bool RingConsumer::ArmSleep() {
   // "sleeping" and re-load of the tail are both seq_cst, so either we see its
   // record or it sees us sleeping and wakes us.
   std::atomic_ref<uint32_t>(ctl->doorbell).store(v1::kDoorbellSleeping, std::memory_order_seq_cst);
-  return std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_seq_cst) == head_ &&
+  // Records that may not be taken yet (the session's held calls are at the
+  // bound) are no work: what frees a place is a held call finishing, which
+  // the executor sees on its own (its sleep is short while calls wait).
+  return (std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_seq_cst) == head_ || AtHeldBound()) &&
          !stop_.load(std::memory_order_seq_cst);
 }
 
@@ -119,9 +122,14 @@ uint32_t RingConsumer::Occupancy() const {
   return tail < head ? 0 : static_cast<uint32_t>(std::min<uint64_t>(tail - head, capacity));
 }
 
+bool RingConsumer::AtHeldBound() const {
+  return session_->held.load(std::memory_order_acquire) >= options_.max_held;
+}
+
 bool RingConsumer::Pending() const {
-  return std::atomic_ref<uint64_t>(session_->memory().ring_control()->sq_tail).load(std::memory_order_acquire) !=
-             head_ ||
+  return (std::atomic_ref<uint64_t>(session_->memory().ring_control()->sq_tail).load(std::memory_order_acquire) !=
+              head_ &&
+          !AtHeldBound()) ||
          stop_.load(std::memory_order_acquire);
 }
 
@@ -180,7 +188,7 @@ size_t RingConsumer::Poll() {
   odd_tail_since_ = Clock::time_point{};
   alignas(64) std::array<uint8_t, v1::kSlotBytes> copy;
   size_t taken = 0;
-  for (; head_ != tail && !stop_.load(std::memory_order_acquire); ++head_, ++taken) {
+  for (; head_ != tail && !stop_.load(std::memory_order_acquire) && !AtHeldBound(); ++head_, ++taken) {
     std::memcpy(copy.data(), memory.ring_slot(head_), v1::kSlotBytes);  // the one read of this slot
     head_ref.store(head_ + 1, std::memory_order_release);
     if (options_.after_copy) options_.after_copy(head_);

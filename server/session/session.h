@@ -119,6 +119,12 @@ class Session {
 
   std::atomic<uint64_t> calls{0};   // calls run
   std::atomic<uint64_t> errors{0};  // calls rejected
+  // Calls the executor holds for this session: handed to it and not yet
+  // launched or finished (server/exec/executor.h counts them). Its ring is
+  // read only while this is below RingConsumerOptions::max_held, so an
+  // asynchronous client far ahead of its GPU waits on its own ring instead
+  // of growing the daemon's memory.
+  std::atomic<uint64_t> held{0};
   // steady_clock nanoseconds of the last call's completion; 0: none yet.
   std::atomic<int64_t> last_call_ns{0};
   std::chrono::steady_clock::time_point opened_at() const { return opened_at_; }

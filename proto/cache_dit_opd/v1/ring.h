@@ -23,7 +23,10 @@
 //           pass a later load on x86: without it a wake-up can be lost),
 //           then if doorbell == kDoorbellSleeping, set it to kDoorbellAwake
 //           and FUTEX_WAKE it (shared futex).
-//   daemon: load-acquire sq_tail; for each t in [head, tail): copy slot
+//   daemon: load-acquire sq_tail; for each t in [head, tail) while the
+//           session has fewer calls held (taken, not yet launched) than its
+//           bound (server/ring/ring_consumer.h: max_held; past it records
+//           wait unread, and so does the client, for its completions): copy slot
 //           t % capacity into its own memory ONCE, then validate and decode
 //           only the copy; store-release sq_head = t + 1. When the call is
 //           accepted or rejected (the executor's answer, same as a gRPC Call's

@@ -602,6 +602,49 @@ TEST_F(RingConsumerTest, RingFullMakesTheProducerWaitAndNothingIsOverwritten) {
   ASSERT_TRUE(WaitUntil([&] { return session_->memory().Done(0) == kCalls; }));
 }
 
+TEST_F(RingConsumerTest, AClientFarAheadOfItsGpuWaitsOnItsRingNotInTheDaemonsMemory) {
+  // Inputs never ready and no parking slot: every accepted call stays held.
+  executor_->Stop();
+  ExecutorOptions no_parking;
+  no_parking.parking_slots = 0;
+  executor_ = std::make_unique<Executor>(&device_, &runner_, &stats_, no_parking, nullptr);
+  executor_->Start();
+  RingConsumerOptions o;
+  o.max_held = 4;
+  StartRing(/*lanes=*/1, /*capacity=*/8, o);
+  SetInputsReady(0, 0);
+  constexpr uint64_t kCalls = 30;
+  std::atomic<uint64_t> published{0};
+  std::thread producer([&] {
+    for (uint64_t seq = 1; seq <= kCalls; ++seq) {
+      client_->Publish(RecordBuilder(0, 0, seq).Int(static_cast<int64_t>(seq)));
+      published.fetch_add(1);
+    }
+  });
+  // Four taken and answered; the client fills the ring's 8 slots past the
+  // last answer it has (tickets 4..11) and waits for completion 4.
+  ASSERT_TRUE(WaitUntil([&] { return published.load() == 12; }));
+  ASSERT_TRUE(WaitUntil([&] { return session_->held.load() == 4; }));
+  std::this_thread::sleep_for(150ms);
+  EXPECT_EQ(published.load(), 12u);
+  EXPECT_EQ(client_->head(), 4u);
+  EXPECT_EQ(session_->held.load(), 4u);
+  EXPECT_EQ(runner_.seen().size(), 4u);
+  EXPECT_EQ(session_->memory().Done(0), 0u);
+
+  SetInputsReady(0, kCalls);
+  producer.join();
+  for (uint64_t t = 0; t < kCalls; ++t) {
+    v1::CompletionRecord c = Completion(t);
+    EXPECT_EQ(c.status_code, 0) << c.message;
+    EXPECT_EQ(c.seq, t + 1);
+  }
+  ASSERT_TRUE(WaitUntil([&] { return session_->memory().Done(0) == kCalls; }));
+  ASSERT_TRUE(WaitUntil([&] { return session_->held.load() == 0; }));
+  EXPECT_EQ(client_->overwritten(), 0);
+  EXPECT_TRUE(violations().empty());
+}
+
 TEST_F(RingConsumerTest, MalformedAndTornRecordsFailOnlyThemselves) {
   StartRing(/*lanes=*/2, /*capacity=*/8);
   struct Step {
