@@ -510,6 +510,24 @@ class RingConsumerTest : public ::testing::Test {
     EXPECT_TRUE(client_->Wait(t, &c)) << "no completion for ticket " << t;
     return c;
   }
+  // A thread publishing calls seq 1..n on lane 0 (the ring's back-pressure
+  // may hold it), counting each once published.
+  std::thread PublishInOrder(uint64_t n, std::atomic<uint64_t>* published) {
+    return std::thread([this, n, published] {
+      for (uint64_t seq = 1; seq <= n; ++seq) {
+        client_->Publish(RecordBuilder(0, 0, seq).Int(static_cast<int64_t>(seq)));
+        published->fetch_add(1);
+      }
+    });
+  }
+  // Completions 0..n-1 accept seq 1..n.
+  void ExpectAcceptedInOrder(uint64_t n) {
+    for (uint64_t t = 0; t < n; ++t) {
+      v1::CompletionRecord c = Completion(t);
+      EXPECT_EQ(c.status_code, 0) << c.message;
+      EXPECT_EQ(c.seq, t + 1);
+    }
+  }
 
   FakeDeviceOps device_;
   FakeRegionOpener opener_;
@@ -580,12 +598,7 @@ TEST_F(RingConsumerTest, RingFullMakesTheProducerWaitAndNothingIsOverwritten) {
   runner_.Hold();  // the executor answers nothing until released
   constexpr uint64_t kCalls = 40;
   std::atomic<uint64_t> published{0};
-  std::thread producer([&] {
-    for (uint64_t seq = 1; seq <= kCalls; ++seq) {
-      client_->Publish(RecordBuilder(0, 0, seq).Int(static_cast<int64_t>(seq)));
-      published.fetch_add(1);
-    }
-  });
+  std::thread producer = PublishInOrder(kCalls, &published);
   ASSERT_TRUE(WaitUntil([&] { return published.load() == 8; }));
   std::this_thread::sleep_for(150ms);
   EXPECT_EQ(published.load(), 8u);  // the ninth waits for completion 0
@@ -593,11 +606,7 @@ TEST_F(RingConsumerTest, RingFullMakesTheProducerWaitAndNothingIsOverwritten) {
   EXPECT_EQ(client_->head(), 8u);  // the daemon copied all it was given and waits too
   runner_.Release();
   producer.join();
-  for (uint64_t t = 0; t < kCalls; ++t) {
-    v1::CompletionRecord c = Completion(t);
-    EXPECT_EQ(c.status_code, 0) << c.message;
-    EXPECT_EQ(c.seq, t + 1);
-  }
+  ExpectAcceptedInOrder(kCalls);
   EXPECT_EQ(client_->overwritten(), 0);
   ASSERT_TRUE(WaitUntil([&] { return session_->memory().Done(0) == kCalls; }));
 }
@@ -615,12 +624,7 @@ TEST_F(RingConsumerTest, AClientFarAheadOfItsGpuWaitsOnItsRingNotInTheDaemonsMem
   SetInputsReady(0, 0);
   constexpr uint64_t kCalls = 30;
   std::atomic<uint64_t> published{0};
-  std::thread producer([&] {
-    for (uint64_t seq = 1; seq <= kCalls; ++seq) {
-      client_->Publish(RecordBuilder(0, 0, seq).Int(static_cast<int64_t>(seq)));
-      published.fetch_add(1);
-    }
-  });
+  std::thread producer = PublishInOrder(kCalls, &published);
   // Four taken and answered; the client fills the ring's 8 slots past the
   // last answer it has (tickets 4..11) and waits for completion 4.
   ASSERT_TRUE(WaitUntil([&] { return published.load() == 12; }));
@@ -634,11 +638,7 @@ TEST_F(RingConsumerTest, AClientFarAheadOfItsGpuWaitsOnItsRingNotInTheDaemonsMem
 
   SetInputsReady(0, kCalls);
   producer.join();
-  for (uint64_t t = 0; t < kCalls; ++t) {
-    v1::CompletionRecord c = Completion(t);
-    EXPECT_EQ(c.status_code, 0) << c.message;
-    EXPECT_EQ(c.seq, t + 1);
-  }
+  ExpectAcceptedInOrder(kCalls);
   ASSERT_TRUE(WaitUntil([&] { return session_->memory().Done(0) == kCalls; }));
   ASSERT_TRUE(WaitUntil([&] { return session_->held.load() == 0; }));
   EXPECT_EQ(client_->overwritten(), 0);
