@@ -47,6 +47,29 @@ Status CudaLaneOps::WaitDone(void* stream, uint32_t lane, uint64_t value) {
   return Status::Ok();
 }
 
+Status CudaLaneOps::WriteInputsReadyThenWaitDone(void* stream, uint32_t lane, uint64_t value) {
+  // One cuStreamBatchMemOp for the pair: each stream memory operation costs
+  // ~0.7 us of host time to enqueue, two in one batch ~0.8 us (measured on
+  // the H200, docs/DESIGN.md section 7). The batch runs its operations in
+  // order, the write with its default fence.
+  const CUdeviceptr lane_base = device_base_ + memory_->lane_offset(lane);
+  std::array<CUstreamBatchMemOpParams, 2> ops{};
+  ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  ops[0].writeValue.address = lane_base + offsetof(v1::LaneSemaphores, inputs_ready);
+  ops[0].writeValue.value64 = value;
+  ops[0].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  ops[1].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  ops[1].waitValue.address = lane_base + offsetof(v1::LaneSemaphores, done);
+  ops[1].waitValue.value64 = value;
+  ops[1].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  CUresult r = api_->stream_batch_mem_op(reinterpret_cast<CUstream>(stream), 2, ops.data(), 0);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("cuStreamBatchMemOp_v2(inputs_ready of lane ", lane, " = ", value, ", wait done >= ",
+                            value, "): ", cuda::DriverErrorString(r));
+  }
+  return Status::Ok();
+}
+
 Status CudaLaneOps::RecordFence(void* stream, uint32_t lane) {
   if (events_[lane] == nullptr) {
     cudaEvent_t e = nullptr;

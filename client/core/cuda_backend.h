@@ -3,6 +3,7 @@
 // The CUDA implementations of the client's two device-facing interfaces:
 //   CudaLaneOps            LaneStreamOps: semaphore writes and waits with
 //                          cuStreamWriteValue64_v2 / cuStreamWaitValue64_v2
+//                          (a call's pair in one cuStreamBatchMemOp_v2)
 //                          on the shared memory mapped for the device, and
 //                          one fence event per lane.
 //   CudaAllocationBackend  AllocationBackend: cuPointerGetAttributes for the
@@ -33,6 +34,7 @@ class CudaLaneOps final : public LaneStreamOps {
 
   Status WriteInputsReady(void* stream, uint32_t lane, uint64_t value) override;
   Status WaitDone(void* stream, uint32_t lane, uint64_t value) override;
+  Status WriteInputsReadyThenWaitDone(void* stream, uint32_t lane, uint64_t value) override;
   Status RecordFence(void* stream, uint32_t lane) override;
   Status WaitFence(void* stream, uint32_t lane) override;
 

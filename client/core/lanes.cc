@@ -63,8 +63,12 @@ Status LaneTable::Issue(void* stream, const IssueOptions& options, const SendFn&
     OPD_RETURN_IF_ERROR(ops_->WaitFence(stream, l));
   }
   const uint64_t seq = lane.issued.load(std::memory_order_relaxed) + 1;
-  if (options.signal_inputs_ready) {
+  if (options.signal_inputs_ready && options.wait_done) {
+    OPD_RETURN_IF_ERROR(ops_->WriteInputsReadyThenWaitDone(stream, l, seq));
+  } else if (options.signal_inputs_ready) {
     OPD_RETURN_IF_ERROR(ops_->WriteInputsReady(stream, l, seq));
+  } else if (options.wait_done) {
+    OPD_RETURN_IF_ERROR(ops_->WaitDone(stream, l, seq));
   }
   // From here the number is spent, even if the send fails: the daemon may
   // have seen it, and a number is never reused on a lane.
@@ -75,10 +79,6 @@ Status LaneTable::Issue(void* stream, const IssueOptions& options, const SendFn&
   if (seq_out) *seq_out = seq;
 
   Status result = send(l, seq);
-  if (options.wait_done) {
-    Status w = ops_->WaitDone(stream, l, seq);
-    if (result.ok() && !w.ok()) result = w;
-  }
   Status f = ops_->RecordFence(stream, l);
   if (result.ok() && !f.ok()) result = f;
   // ReleaseFromHost may have run while we held the lock (it skips busy

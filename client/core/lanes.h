@@ -67,6 +67,12 @@ class LaneStreamOps {
   virtual Status WriteInputsReady(void* stream, uint32_t lane, uint64_t value) = 0;
   // `stream`: wait until lane[lane].done >= value before later work.
   virtual Status WaitDone(void* stream, uint32_t lane, uint64_t value) = 0;
+  // Both of the above, in that order, as one enqueue where the backend can
+  // (one driver call for the two memory operations instead of two).
+  virtual Status WriteInputsReadyThenWaitDone(void* stream, uint32_t lane, uint64_t value) {
+    OPD_RETURN_IF_ERROR(WriteInputsReady(stream, lane, value));
+    return WaitDone(stream, lane, value);
+  }
   // `stream`: mark the point after this lane's operations (the lane's fence).
   virtual Status RecordFence(void* stream, uint32_t lane) = 0;
   // `stream`: wait for the lane's last recorded fence.
@@ -117,12 +123,15 @@ class LaneTable {
   // Runs one call on `stream`'s lane, holding the lane's mutex throughout:
   //   1. if the lane's previous call came from another stream: WaitFence;
   //   2. seq = last issued + 1; WriteInputsReady(seq) unless skipped;
-  //   3. send(lane, seq);
-  //   4. WaitDone(seq) unless skipped, whatever the send returned;
+  //   3. WaitDone(seq) unless skipped; with step 2, one enqueue
+  //      (WriteInputsReadyThenWaitDone);
+  //   4. send(lane, seq);
   //   5. RecordFence.
-  // A failed enqueue in step 2 consumes no number. Step 4 runs even when the
-  // send failed: the daemon may have received the call and may still write
-  // its outputs, so the stream must not run ahead of it. If the daemon never
+  // A failed enqueue in step 2 or 3 consumes no number. The wait is on the
+  // stream before the send, whatever the send returns: the daemon may have
+  // received the call and may still write its outputs, so the stream must
+  // not run ahead of it (enqueued first, it still completes only once the
+  // daemon, or the host, writes done). If the daemon never
   // completes that number, the wait is released from the host once the
   // daemon is gone or has ended the session (ReleaseFromHost). Returns the
   // send status (or the first enqueue error). After Fail(), returns the
