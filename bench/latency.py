@@ -1,10 +1,12 @@
-"""Case 1: per-call host latency of every op's ``.out`` call, p50/p99.
+"""Case 1: per-call host latency of every op's ``.out`` call and of its functional call, p50/p99.
 
 One child per mode measures every op at the per-rank shapes (kernel time
 small, so the host cost shows): in-process (kernel library loaded), the
 Python client over the ring synchronously and asynchronously, and over gRPC.
 Each call is timed alone with ``perf_counter_ns`` around the call. Every 32
-calls the child synchronizes, outside the timed region: the ring has 64 slots,
+calls the child synchronizes, outside the timed region (the functional
+calls, which allocate their outputs, are timed the same way after the
+``.out`` calls): the ring has 64 slots,
 and with more calls outstanding an asynchronous call would wait for a free
 slot, measuring the daemon's throughput instead of the client's cost. The
 gRPC child also times the daemon's GetVersion unary RPC: the raw round trip a
@@ -99,7 +101,10 @@ def child(ctx, p: dict) -> dict:
         p = dict(p, sync_every=max(1, min(p["sync_every"], capacity // 2)))
     shapes = measure_each_op(ops, p["shapes"],
                              lambda f: time_calls(f, ctx.sync, p["n"], p["warmup"], p["sync_every"]))
-    out = {"shapes": shapes, "sync_every": p["sync_every"]}
+    functional = measure_each_op(ops, p["shapes"],
+                                 lambda f: time_calls(f, ctx.sync, p["n"], p["warmup"], p["sync_every"]),
+                                 functional=True)
+    out = {"shapes": shapes, "functional": functional, "sync_every": p["sync_every"]}
     if ctx.mode != INPROC:
         out["daemon_stages"] = daemon_stages()
     if p.get("raw_grpc"):

@@ -1,4 +1,5 @@
-"""Inputs, outputs and one zero-argument call of each op's ``.out`` overload at a benchmark shape.
+"""Inputs, outputs and one zero-argument call of each op's ``.out`` overload (or of its functional overload,
+which allocates its outputs) at a benchmark shape.
 
 Child-side (imports torch). ``ops`` is ``torch.ops.cache_dit_cuda_ops`` of the
 calling process: the kernel library's ops in an in-process child, the
@@ -31,7 +32,7 @@ def _reference():
     return reference
 
 
-def _builders(ops, s: int, h: int, dev: str) -> dict[str, Callable[[], Callable[[], object]]]:
+def _builders(ops, s: int, h: int, dev: str, functional: bool) -> dict[str, Callable[[], Callable[[], object]]]:
     import torch
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -44,37 +45,50 @@ def _builders(ops, s: int, h: int, dev: str) -> dict[str, Callable[[], Callable[
         po, so = rnd(1, s, h, D), rnd(1, s, h, D)
         pl = torch.randn(1, h, s, device=dev).permute(0, 2, 1).unsqueeze(-1)  # flash-attn LSE view
         sl = torch.randn(1, h, s, device=dev).permute(0, 2, 1).unsqueeze(-1)
+        if functional:
+            return lambda: ops.fused_merge_attn_states(po, pl, so, sl)
         out, lse = torch.empty_like(so), torch.empty(1, s, h, 1, device=dev)
         return lambda: ops.fused_merge_attn_states.out(po, pl, so, sl, out=out, lse=lse)
 
     def quant():
-        x, q = rnd(1, s, h, D), torch.empty(1, s, h, D + 2, device=dev, dtype=fp8)
+        x = rnd(1, s, h, D)
+        if functional:
+            return lambda: ops.fp8_comm_per_token_quant(x)
+        q = torch.empty(1, s, h, D + 2, device=dev, dtype=fp8)
         return lambda: ops.fp8_comm_per_token_quant.out(x, out=q)
 
     def dequant():
-        rec, y = ref.per_token_quant(rnd(1, s, h, D)), torch.empty(1, s, h, D, device=dev, dtype=bf16)
+        rec = ref.per_token_quant(rnd(1, s, h, D))
+        if functional:
+            return lambda: ops.fp8_comm_per_token_dequant(rec)
+        y = torch.empty(1, s, h, D, device=dev, dtype=bf16)
         return lambda: ops.fp8_comm_per_token_dequant.out(rec, out=y)
 
     def qkv_quant():
         x = rnd(1, s // ULYSSES, ULYSSES, h, D)
+        if functional:
+            return lambda: ops.fp8_comm_qkv_permute_quant(x)
         q = torch.empty(ULYSSES, s // ULYSSES, 1, h, D + 4, device=dev, dtype=fp8)
         return lambda: ops.fp8_comm_qkv_permute_quant.out(x, out=q)
 
     def qkv_dequant():
         rec = ref.qkv_permute_quant(rnd(1, s, 1, h, D))[0]  # [S, 1, H, D+4]
+        if functional:
+            return lambda: ops.fp8_comm_qkv_permute_dequant(rec)
         y = torch.empty(1, s, h, D, device=dev, dtype=bf16)
         return lambda: ops.fp8_comm_qkv_permute_dequant.out(rec, out=y)
 
     return {MERGE: merge, QUANT: quant, DEQUANT: dequant, QKV_QUANT: qkv_quant, QKV_DEQUANT: qkv_dequant}
 
 
-def make_calls(ops, shape: str, only=None, device: str = "cuda") -> dict[str, object]:
+def make_calls(ops, shape: str, only=None, device: str = "cuda", functional: bool = False) -> dict[str, object]:
     """op -> zero-argument callable, or the exception that building its tensors raised (that op only fails).
 
-    ``device="meta"`` builds the same layouts without memory (to check them against the ops' schemas).
+    ``device="meta"`` builds the same layouts without memory (to check them against the ops' schemas);
+    ``functional`` calls the functional overloads (outputs allocated per call) instead of ``.out``.
     """
     _, s, h, _ = SHAPES[shape]
-    builders = _builders(ops, s, h, device)
+    builders = _builders(ops, s, h, device, functional)
     calls: dict[str, object] = {}
     for op in OPS:
         if only is not None and op not in only:
@@ -86,14 +100,14 @@ def make_calls(ops, shape: str, only=None, device: str = "cuda") -> dict[str, ob
     return calls
 
 
-def measure_each_op(ops, shapes, measure) -> dict:
+def measure_each_op(ops, shapes, measure, functional: bool = False) -> dict:
     """{shape: {op: measure(call)}} for every op at each shape in turn; an op whose tensors could not be
     built or whose measurement raised records {"error": ...} and the others are still measured."""
     from bench.common import error_text
 
     out = {}
     for shape in shapes:
-        calls = make_calls(ops, shape)
+        calls = make_calls(ops, shape, functional=functional)
         out[shape] = {}
         for op, f in calls.items():
             try:

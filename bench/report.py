@@ -33,6 +33,7 @@ from bench.common import GRPC, INPROC, OPS, RING_ASYNC, RING_SYNC, SHORT, shape_
 # Issue 7's targets.
 SYNC_OVERHEAD_US = 20.0
 ASYNC_OVERHEAD_US = 10.0
+FUNCTIONAL_SYNC_OVER_US = 12.0  # issue 14: a functional call through the ring, sync, over the in-process one
 CPP_OVERHEAD_US = 100.0
 PIPELINED_KERNEL_US = 100.0
 PIPELINED_FRACTION = 0.90
@@ -70,6 +71,11 @@ def is_kernels_only(res: dict) -> bool:
 
 def latency_cell(res, mode, shape, op):
     e = _get(res, "cases", "latency", "modes", mode, "shapes", shape, op)
+    return e if _measured(e) else None
+
+
+def functional_cell(res, mode, shape, op):
+    e = _get(res, "cases", "latency", "modes", mode, "functional", shape, op)
     return e if _measured(e) else None
 
 
@@ -247,6 +253,33 @@ def _latency_targets(res) -> list[dict]:
     return rows
 
 
+def _functional_targets(res) -> list[dict]:
+    """The functional-overload row, for runs whose latency case timed functional calls (later than 2026-12-04)."""
+    if not any(_get(res, "cases", "latency", "modes", m, "functional") is not None for m in (INPROC, *REMOTE)):
+        return []
+    goal = (f"p50 over in-process functional <= {FUNCTIONAL_SYNC_OVER_US:.0f} us ring sync, < 0 ring async, "
+            "every op (issue 14)")
+    name = "Functional overloads (allocating calls)"
+    worst = {}
+    measured, expected = 0, 0
+    for shape in latency_shapes(res):
+        for op in OPS:
+            base = functional_cell(res, INPROC, shape, op)
+            for mode in (RING_SYNC, RING_ASYNC):
+                expected += 1
+                cell = functional_cell(res, mode, shape, op)
+                if base and cell:
+                    measured += 1
+                    d = cell["p50_us"] - base["p50_us"]
+                    if mode not in worst or d > worst[mode][0]:
+                        worst[mode] = (d, shape, op)
+    if not worst:
+        return [_row("latency.functional", name, goal, "-", "no data")]
+    achieved = "; ".join(f"{MODE_NAMES[m]} worst {d:+.1f} us ({_where(sh, op)})" for m, (d, sh, op) in worst.items())
+    ok = (worst.get(RING_SYNC, (0,))[0] <= FUNCTIONAL_SYNC_OVER_US and worst.get(RING_ASYNC, (-1,))[0] < 0)
+    return [_row("latency.functional", name, goal, achieved, _verdict(ok, measured, expected))]
+
+
 def _cpp_target(res) -> dict:
     goal = f"p50 overhead <= {CPP_OVERHEAD_US:.0f} us"
     name = "C++ client overhead, gRPC"
@@ -372,7 +405,7 @@ def evaluate(res: dict) -> list[dict]:
     if is_kernels_only(res):
         return [_kernel_target(res)]
     idle = _idle_target(res)
-    return [*_latency_targets(res), _cpp_target(res), *_cpp_ring_rows(res), *_pipelined_targets(res),
+    return [*_latency_targets(res), *_functional_targets(res), _cpp_target(res), *_cpp_ring_rows(res), *_pipelined_targets(res),
             *_scaling_targets(res), *([idle] if idle else []), _kernel_target(res), *_svdq_rows(res)]
 
 
@@ -428,13 +461,22 @@ def latency_section(res) -> list[str]:
     out = [f"Host time of one `.out` call, microseconds, p50 / p99 over {p.get('n', '?')} calls after "
            f"{p.get('warmup', '?')} warm-up calls (synchronized every {p.get('sync_every', '?')} calls, outside "
            "the timing); in parentheses the overhead over in-process (remote minus in-process, p50 / p99).", ""]
-    for shape in latency_shapes(res):
-        out += [f"**{shape_label(shape)}**", ""]
-        rows = []
-        for op in OPS:
-            base = latency_cell(res, INPROC, shape, op)
-            rows.append([op, _lat(base), *(_lat(latency_cell(res, m, shape, op), base) for m in REMOTE)])
-        out += _table(["op", "in-process", "ring sync", "ring async", "gRPC"], rows, "lllll") + [""]
+
+    def tables(cell) -> list[str]:  # one table per shape: each op in every mode, overhead over in-process
+        lines = []
+        for shape in latency_shapes(res):
+            rows = []
+            for op in OPS:
+                base = cell(res, INPROC, shape, op)
+                rows.append([op, _lat(base), *(_lat(cell(res, m, shape, op), base) for m in REMOTE)])
+            lines += [f"**{shape_label(shape)}**", "",
+                      *_table(["op", "in-process", "ring sync", "ring async", "gRPC"], rows, "lllll"), ""]
+        return lines
+
+    out += tables(latency_cell)
+    if any(functional_cell(res, INPROC, shape, op) for shape in latency_shapes(res) for op in OPS):
+        out += ["Functional overloads (each call allocates its outputs), timed the same way:", "",
+                *tables(functional_cell)]
     transports = {m: _get(lat, "modes", m, "info", "transport") for m in REMOTE}
     out.append("Transports used: " + ", ".join(f"{MODE_NAMES[m]} = {t or '?'}" for m, t in transports.items())
                + (" (**not as intended**)" if transports != {RING_SYNC: "ring", RING_ASYNC: "ring", GRPC: "grpc"}

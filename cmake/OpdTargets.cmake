@@ -33,9 +33,11 @@
 #   LAYER  a target in folder F may include project headers only from the
 #          folders F may stand on: proto/ (the contract) <- common/ <-
 #          kernels/ | server/ | client/ <- admin/ (on client/, never on
-#          server/: an operator's tool is a client); tests/, bench/ and tools/ may include
-#          anything. Includes of the contract ("cache_dit_opd/v1/...") are
-#          allowed everywhere. Checked over HDRS and SRCS.
+#          server/: an operator's tool is a client); client/ stands on
+#          kernels/ too (the op checks, for its native functional
+#          overloads); tests/, bench/ and tools/ may include anything.
+#          Includes of the contract ("cache_dit_opd/v1/...") are allowed
+#          everywhere. Checked over HDRS and SRCS.
 include_guard(GLOBAL)
 
 # Which headers an imported dependency exposes (for the SIDE rule).
@@ -80,7 +82,7 @@ set(_OPD_PROJECT_FOLDERS common kernels server client admin tests bench tools pr
 set(_OPD_LAYER_common common)
 set(_OPD_LAYER_kernels kernels)
 set(_OPD_LAYER_server common server)
-set(_OPD_LAYER_client common client)
+set(_OPD_LAYER_client common kernels client)
 set(_OPD_LAYER_admin common client admin)
 set(_OPD_LAYER_proto "")
 

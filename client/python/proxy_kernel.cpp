@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "client/python/functional_kernel.h"
 #include "client/python/native_session.h"
 #include "common/torch/scalar_type.h"
 #include "common/view_extent.h"
@@ -150,6 +151,7 @@ std::string RegisterProxyKernel(const std::string& name_overload) {
   auto handle = c10::Dispatcher::singleton().findSchema({std::string(kNamespace) + "::" + name, overload});
   if (!handle) return std::string(kNamespace) + "::" + name_overload + " is not defined";
   const c10::FunctionSchema& schema = handle->schema();
+  if (overload.empty()) return RegisterFunctionalKernel(name);
   OpPlan plan{name_overload, {}};
   for (const c10::Argument& r : schema.returns()) {
     std::optional<size_t> found;

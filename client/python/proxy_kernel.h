@@ -14,8 +14,10 @@
 // again. The native path therefore never raises on its own.
 //
 // Only overloads whose every return aliases a mutable argument (the .out
-// overloads) can be registered: the kernel pushes those arguments back as
-// the results, allocating nothing.
+// overloads) get this kernel: it pushes those arguments back as the
+// results, allocating nothing. A functional overload (no overload name)
+// gets the functional kernel instead (functional_kernel.h), which
+// allocates and calls its .out overload, so it reaches this one.
 #pragma once
 
 #include <string>

@@ -150,10 +150,14 @@ PYTHON_IMPL_KEY = "PrivateUse1"
 def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
     """Registers the proxy impl and, unless one exists, the fake.
 
-    With the native library (``_native``) an op whose returns all alias its
-    ``out`` arguments gets the native CUDA kernel, and ``cuda_impl`` moves to
-    PYTHON_IMPL_KEY behind it; every other op gets ``cuda_impl`` as its CUDA
-    kernel.
+    With the native library (``_native``) every op gets a native CUDA kernel: an ``.out`` overload the proxy
+    kernel, with ``cuda_impl`` moved to PYTHON_IMPL_KEY behind it for the calls the kernel hands back; a
+    functional overload the functional kernel, which validates and allocates with the op's own Meta kernel
+    and calls the ``.out`` overload (client/python/functional_kernel.h), so its ``cuda_impl`` serves only
+    the pure-Python client and cache-dit's integration. The exception are the functional ops this client
+    may give back to cache-dit (CACHE_DIT_OPS, defined in a Library of their own): a native registration
+    would outlive that Library and become the CUDA kernel of cache-dit's definition, so they keep
+    ``cuda_impl``. Without the native library every op gets ``cuda_impl`` as its CUDA kernel.
     """
     from . import _native
 
@@ -162,13 +166,15 @@ def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
         return
     lib = _own_libs.get(full, lib)
     qualname = f"{NAMESPACE}::{full}"
-    native = _native.library() is not None and _returns_alias_outputs(qualname)
-    if native:
-        torch.library.impl(qualname, PYTHON_IMPL_KEY, cuda_impl, lib=lib)
+    out_overload = _returns_alias_outputs(qualname)
+    if _native.library() is not None and (out_overload or full not in _own_libs):
+        if out_overload:
+            torch.library.impl(qualname, PYTHON_IMPL_KEY, cuda_impl, lib=lib)
         why = _native.register_kernel(full)
         if why is not None:
             raise RuntimeError(f"cache_dit_opd: native kernel for {qualname}: {why}")
-        _native_out.add(full)
+        if out_overload:
+            _native_out.add(full)
     else:
         torch.library.impl(qualname, "CUDA", cuda_impl, lib=lib)
     if not fake_present.get(full, False):

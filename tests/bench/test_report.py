@@ -185,3 +185,30 @@ def test_idle_daemon_cpu_is_judged_at_the_most_processes_and_shown_per_group(res
     for ph in res["cases"]["scaling"]["remote"].values():
         ph["phases"] = [p for p in ph["phases"] if p["bound"] != "idle"]  # planned but not measured
     assert verdicts(res)["scaling.idle"]["verdict"] == "no data"
+
+
+def test_functional_verdict_needs_sync_within_12_us_and_async_below_in_process(res):
+    modes = res["cases"]["latency"]["modes"]
+    assert "latency.functional" not in verdicts(res)  # a run from before the case existed
+
+    def set_functional(sync_over, async_over):
+        for mode, over in (("inproc", 0.0), ("sync", sync_over), ("async", async_over)):
+            modes[mode]["functional"] = {
+                shape: {op: dict(cell, p50_us=modes["inproc"]["shapes"][shape][op]["p50_us"] + 5.0 + over)
+                        for op, cell in ops.items()}
+                for shape, ops in modes["inproc"]["shapes"].items()}
+
+    modes["sync"]["functional"] = {}
+    assert verdicts(res)["latency.functional"]["verdict"] == "no data"
+    set_functional(11.0, -1.0)
+    row = verdicts(res)["latency.functional"]
+    assert row["verdict"] == "met" and "+11.0 us" in row["achieved"], row
+    set_functional(13.0, -1.0)
+    assert verdicts(res)["latency.functional"]["verdict"] == "missed"
+    set_functional(11.0, 0.5)
+    assert verdicts(res)["latency.functional"]["verdict"] == "missed"
+    set_functional(11.0, -1.0)
+    shape = next(iter(modes["async"]["functional"]))
+    modes["async"]["functional"][shape][next(iter(modes["async"]["functional"][shape]))] = {"error": "timed out"}
+    assert verdicts(res)["latency.functional"]["verdict"] == "incomplete"
+    assert "Functional overloads" in report.markdown(copy.deepcopy(res))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -34,20 +35,55 @@ def test_library_matches_this_client():
 
 
 @needs_library
-def test_out_overloads_get_the_native_kernel_and_keep_python_behind_it():
+def test_every_overload_gets_a_native_kernel_and_keeps_python_behind_it():
     for op in ("fp8_comm_per_token_quant.out", "fp8_comm_qkv_permute_dequant.out", "fused_merge_attn_states.out"):
         q = f"cache_dit_cuda_ops::{op}"
         assert "client/python/proxy_kernel.cpp" in _cuda_kernel_source(q)
         assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" in torch._C._dispatch_dump(q)
         assert _proxy.redispatch(op.split(".")[0], (), {}) is not None
-    assert "_comm.py" in _cuda_kernel_source("cache_dit_cuda_ops::fp8_comm_per_token_quant")
+    for op in ("fp8_comm_per_token_quant", "fp8_comm_qkv_permute_dequant", "fused_merge_attn_states"):
+        q = f"cache_dit_cuda_ops::{op}"
+        assert "client/python/functional_kernel.cpp" in _cuda_kernel_source(q)
+        assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" not in torch._C._dispatch_dump(q)  # never handed back
+    assert _native.register_kernel("fp8_comm_per_token_quant") is None  # again: nothing to do
+    # cache-dit's svdq ops, which this client gives back when cache-dit's registry loads, keep the Python
+    # kernel in their own Library: a native registration would outlive it.
+    for op in sorted(_proxy.CACHE_DIT_OPS & set(_proxy._own_libs)):
+        assert "/cache_dit_opd/_" in _cuda_kernel_source(f"cache_dit_cuda_ops::{op}"), op  # a .py of the client
+    assert {"svdq_gemm_w4a4", "svdq_quantize_w4a4_wgt"} <= set(_proxy._own_libs)
+
+
+@needs_library
+def test_a_given_back_op_keeps_no_kernel_of_this_client():
+    """The client first, then cache-dit's registry (PyPI cache-dit, a test dependency): the svdq ops the client
+    gives back carry no registration of this client, native or Python, under cache-dit's definition."""
+    pytest.importorskip("cache_dit")
+    code = """
+        import torch, cache_dit_opd, importlib
+        from cache_dit_opd import _proxy
+        importlib.import_module(_proxy.CACHE_DIT_REGISTRY)
+        for op in sorted(_proxy.CACHE_DIT_OPS):
+            dump = torch._C._dispatch_dump(f"cache_dit_cuda_ops::{op}")
+            assert "functional_kernel.cpp" not in dump and "cache_dit_opd" not in dump, dump
+        print("ok")
+    """
+    r = fx.run_python(textwrap.dedent(code), CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
 @needs_library
 def test_register_kernel_refuses_what_it_cannot_serve():
     assert "is not defined" in _native.register_kernel("no_such_op.out")
-    why = _native.register_kernel("fp8_comm_per_token_quant")  # functional: returns a new tensor
-    assert why is not None and "does not alias a mutable argument" in why
+    lib = torch.library.Library("cache_dit_cuda_ops", "FRAGMENT")
+    try:
+        lib.define("opd_test_not_in_the_table(Tensor x) -> Tensor")
+        lib.define("opd_test_not_in_the_table.out(Tensor x, *, Tensor out) -> Tensor")  # returns no alias
+        why = _native.register_kernel("opd_test_not_in_the_table")
+        assert why is not None and "is not a functional overload of kernels/ops.def" in why
+        why = _native.register_kernel("opd_test_not_in_the_table.out")
+        assert why is not None and "does not alias a mutable argument" in why
+    finally:
+        lib._destroy()
 
 
 @needs_library

@@ -8,6 +8,8 @@ and counted by reason, and a ring call computes exactly what a host-ordered gRPC
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -45,9 +47,10 @@ def test_out_overloads_have_the_native_cuda_kernel(native):
         dump = torch._C._dispatch_dump(f"cache_dit_cuda_ops::{op}")
         assert "proxy_kernel.cpp" in dump.split("CUDA: registered at", 1)[1].splitlines()[0], dump
         assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" in dump, dump
-    # functional overloads keep the Python impl on CUDA
-    dump = torch._C._dispatch_dump("cache_dit_cuda_ops::fp8_comm_per_token_quant")
-    assert "_comm.py" in dump.split("CUDA: registered at", 1)[1].splitlines()[0], dump
+    # functional overloads: the functional kernel, which never hands a call to Python (its .out call may)
+    for op in ("fp8_comm_per_token_quant", "fused_merge_attn_states", "fp8_comm_qkv_permute_quant"):
+        dump = torch._C._dispatch_dump(f"cache_dit_cuda_ops::{op}")
+        assert "functional_kernel.cpp" in dump.split("CUDA: registered at", 1)[1].splitlines()[0], dump
 
 
 @pytest.mark.parametrize("mode", ("sync", "async"))
@@ -227,20 +230,109 @@ print(_native.library() is not None, _session.get_session(0).native is not None,
     assert len({o[2] for o in outs.values()}) == 1, outs
 
 
-def test_functional_overloads_validate_in_python_then_run_natively(native):
+class _PythonCalls:
+    """The cache_dit_opd Python functions entered while it is active (sys.setprofile)."""
+
+    def __init__(self):
+        self.names = []
+
+    def _profile(self, frame, event, arg):
+        if event == "call" and "cache_dit_opd" in frame.f_code.co_filename:
+            self.names.append(frame.f_code.co_name)
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+
+def test_functional_overloads_run_natively_without_entering_python(native):
+    """The functional kernel validates, allocates and calls .out in C++: no Python frame of the client."""
     s = native
     x = torch.randn(32, 128, device="cuda", dtype=BF16)
-    kernels.fp8_comm_per_token_quant(x)  # the first output allocation may need a region
+    po, so = (torch.randn(1, 24, 4, 64, device="cuda", dtype=BF16) for _ in range(2))
+    pl, sl = (torch.randn(1, 4, 24, device="cuda").permute(0, 2, 1).unsqueeze(-1) for _ in range(2))
+    for _ in range(2):  # the first calls may register output allocations (through Python)
+        q = OPS.fp8_comm_per_token_quant(x)
+        OPS.fp8_comm_per_token_dequant(q)
+        OPS.fused_merge_attn_states(po, pl, so, sl)
     before = _state(s)
-    q = kernels.fp8_comm_per_token_quant(x)
-    y = kernels.fp8_comm_per_token_dequant(q)
+    with _PythonCalls() as calls:
+        q = OPS.fp8_comm_per_token_quant(x)
+        y = OPS.fp8_comm_per_token_dequant(q)
+        out, lse = OPS.fused_merge_attn_states(po, pl, so, sl)
     after = _state(s)
-    assert after["native_calls"] - before["native_calls"] + sum(after["fallbacks"].values()) \
-        - sum(before["fallbacks"].values()) == 2
-    assert after["native_calls"] > before["native_calls"]
+    assert calls.names == [], calls.names
+    assert after["native_calls"] - before["native_calls"] == 3
+    assert after["fallbacks"] == before["fallbacks"], (before, after)
+    assert q.shape == (32, 130) and q.dtype == FP8 and y.shape == (32, 128) and y.dtype == BF16
     torch.testing.assert_close(y.float(), x.float(), atol=0.2, rtol=0.1)
-    with pytest.raises(ValueError, match="x must be torch.bfloat16"):  # Python's checks, before any call
-        kernels.fp8_comm_per_token_quant(x.float())
+    want_out, want_lse = fx.ref_merge(po, pl, so, sl)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.float(), want_lse.float(), atol=1e-4, rtol=1e-4)
+    # the same bytes as the .out overload on outputs the caller allocated
+    q_out = torch.empty_like(q)
+    OPS.fp8_comm_per_token_quant.out(x, out=q_out)
+    assert torch.equal(q.view(torch.uint8), q_out.view(torch.uint8))
+
+
+def test_a_functional_call_allocates_on_its_tensors_device_and_current_stream(native):
+    x = torch.randn(16, 64, device="cuda", dtype=BF16)
+    OPS.fp8_comm_per_token_quant(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q = OPS.fp8_comm_per_token_quant(x)
+        y = OPS.fp8_comm_per_token_dequant(q)
+    side.synchronize()
+    assert q.device == x.device and q.is_contiguous()
+    torch.testing.assert_close(y.float(), x.float(), atol=0.2, rtol=0.1)
+
+
+def _to_cuda(v):
+    """A meta tensor of the bad-input table as a CUDA tensor of the same sizes, strides, offset and dtype."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    base = torch.empty(max(1, v.untyped_storage().nbytes() // v.element_size()), dtype=v.dtype, device="cuda")
+    return base.as_strided(v.shape, v.stride(), v.storage_offset())
+
+
+def test_functional_bad_inputs_raise_what_the_fakes_raise_and_reach_no_daemon(native):
+    """Every functional case of the shared bad-input table (tests/python/_bad_inputs.py) on CUDA tensors: the
+    functional kernel's Meta checks raise the fakes' exception with the fakes' message (the parity test ties
+    those to the kernel library's), and nothing is published."""
+    import _bad_inputs as bad
+
+    s = native
+    cases = [c for c in bad.CASES if "." not in c[1]]
+    assert len(cases) >= 10
+    before = _state(s)
+    for case in cases:
+        cid, full, build, names = case
+        args, kwargs = build()
+        want = bad.run(OPS, case)  # meta tensors: the fakes
+        cuda_case = (cid, full, lambda args=args, kwargs=kwargs: (
+            tuple(_to_cuda(a) for a in args), {k: _to_cuda(v) for k, v in kwargs.items()}), names)
+        got = bad.run(OPS, cuda_case)
+        if "meta" in (want[1] or ""):  # a message naming the device differs by the device's name only
+            assert got[0] == want[0], (cid, got, want)
+        else:
+            assert got == want, (cid, got, want)
+        assert want[0] == "ValueError", (cid, want)
+    after = _state(s)
+    assert after["published"] == before["published"]
+
+
+def test_a_functional_call_with_empty_outputs_publishes_nothing(native):
+    s = native
+    x = torch.empty(0, 64, device="cuda", dtype=BF16)
+    before = _state(s)
+    q = OPS.fp8_comm_per_token_quant(x)
+    after = _state(s)
+    assert q.shape == (0, 66) and q.dtype == FP8
+    assert after["published"] == before["published"] and after["fallbacks"] == before["fallbacks"]
 
 
 MULTI_GPU_WORKER = r"""
