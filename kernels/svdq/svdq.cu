@@ -139,12 +139,12 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
   // The warps' x rings, then 1 / smooth_factor over the split in fp32 and
   // logical channel order (each reciprocal computed once per block).
   extern __shared__ float4 smem[];
-  const float4* inv_smooth = smem + kQuantRingBytes / sizeof(float4);
+  float4* const inv_smooth = smem + kQuantRingBytes / sizeof(float4);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = lane % 8;
   const int64_t groups = k_dim / 64, rank_tiles = rank / 16;
   const int64_t g_begin = int64_t{blockIdx.y} * groups_per_split, g_end = min(groups, g_begin + groups_per_split);
   if (quantize && smooth != nullptr) {
-    float* inv = reinterpret_cast<float*>(smem + kQuantRingBytes / sizeof(float4));
+    float* inv = reinterpret_cast<float*>(inv_smooth);
     for (int64_t i = threadIdx.x; i < (g_end - g_begin) * 64; i += blockDim.x) {
       inv[i] = __frcp_rn(to_float(smooth[(g_begin + i / 64) * 64 + packed_channel(static_cast<int>(i % 64))]));
     }
