@@ -71,8 +71,10 @@ class Daemon:
         self.socket = Path(socket) if socket else self.workdir / "opd.sock"
         self.address = f"unix:{self.socket}"
         self.log_path = self.workdir / "daemon.log"
+        self.device = device
+        self.extra_flags = list(extra_flags or [])
         self.flags = ["--device", str(device), "--socket", str(self.socket), "--runtime-dir", str(self.workdir),
-                      *(extra_flags or [])]
+                      *self.extra_flags]
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self._log_start = 0  # where this start's lines begin in the (appended) log

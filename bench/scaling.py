@@ -11,7 +11,12 @@ caller running the same loop. The daemon's CPU use is utime + stime from
 Two loads: kernel-bound (the Wan per-rank merge, ~80 us of kernel) and
 launch-bound (the FLUX per-rank per-token quant, a few us), then an idle
 phase: the client processes keep their sessions (and rings) open and call
-nothing, which is what a daemon costs a host between requests. Phases run in
+nothing, which is what a daemon costs a host between requests.
+
+Then the executor sweep: the launch-bound load of the most processes, ring
+async, once more on a daemon of its own for each of ``executor_threads``
+(``--executor-threads``; the run's daemon has its own setting, 1 by
+default), so one run shows what more executor threads buy and cost. Phases run in
 order in the same processes; a barrier of files in a private directory
 starts each: every process writes ``ready.<phase>.<rank>`` once set up, the
 orchestrator writes ``go.<phase>`` holding a CLOCK_MONOTONIC start time (the
@@ -29,6 +34,8 @@ from bench.common import (CLIENT, INPROC, MERGE, QUANT, RING_ASYNC, RING_SYNC, e
                           wait_or_kill, write_json)
 
 LOADS = (("kernel", "wan_rank", MERGE), ("launch", "flux_rank", QUANT))
+SWEEP_LOAD = {"bound": "launch", "shape": "flux_rank", "op": QUANT, "mode": RING_ASYNC}
+EXECUTOR_THREADS = (2, 4)  # the sweep's daemons (the run's daemon is the sweep's first point)
 IDLE = {"bound": "idle", "shape": None, "op": None, "mode": RING_ASYNC}  # sessions open, no calls
 START_MARGIN_S = 0.25  # between writing go and the start: every process sees the file first
 
@@ -43,6 +50,7 @@ def params(quick: bool, window_s: float | None) -> dict:
         "procs": [1, 8] if quick else [1, 2, 4, 8],
         "window_s": window_s or (1.0 if quick else 2.5),
         "phases": [{"bound": b, "shape": s, "op": op, "mode": m} for b, s, op in LOADS for m in modes] + [IDLE],
+        "executor_threads": list(EXECUTOR_THREADS),
     }
 
 
@@ -55,15 +63,59 @@ def run(r) -> dict:
             out["remote"][str(n)] = {"status": "skipped", "error": "time budget spent"}
             continue
         out["remote"][str(n)] = group(r, CLIENT, n, p["phases"], p["window_s"])
+    mine = run_daemon_threads(r.daemon.extra_flags)
+    sweep = [t for t in p["executor_threads"] if t != mine]
+    out["executor_threads"] = {"run_daemon": mine,
+                               "sweep": executor_sweep(r, max(p["procs"]), sweep, p["window_s"])}
+    return out
+
+
+def run_daemon_threads(flags: list[str]) -> int:
+    """The --executor-threads of the run's daemon (the last one given; 1, the default, when none is)."""
+    threads = 1
+    for i, f in enumerate(flags):
+        if f == "--executor-threads" and i + 1 < len(flags):
+            threads = int(flags[i + 1])
+        elif f.startswith("--executor-threads="):
+            threads = int(f.split("=", 1)[1])
+    return threads
+
+
+def executor_sweep(r, nprocs: int, threads: list[int], window: float) -> dict:
+    """SWEEP_LOAD from ``nprocs`` processes on a daemon of its own per executor-thread count (the run's
+    daemon's other flags, its own socket), the run's daemon idle meanwhile."""
+    from bench.daemon import Daemon, DaemonError
+
+    out = {}
+    main = r.daemon
+    for t in threads:
+        if r.remaining() < 60:
+            out[str(t)] = {"status": "skipped", "error": "time budget spent"}
+            continue
+        flags = [*main.extra_flags, "--executor-threads", str(t)]
+        d = Daemon(main.binary, r.tmp / f"daemon-executors-{t}", device=main.device, extra_flags=flags)
+        try:
+            log(f"scaling: a daemon with {t} executor threads")
+            d.start()
+        except DaemonError as e:
+            out[str(t)] = {"status": "error", "error": str(e)}
+            continue
+        r.daemon = d  # the group's processes and its CPU reading go to this daemon
+        try:
+            out[str(t)] = group(r, CLIENT, nprocs, [SWEEP_LOAD], window, tag=f"-executors-{t}")
+        finally:
+            r.daemon = main
+            d.stop()
     return out
 
 
 # -- orchestrator side -------------------------------------------------------------------------
 
 
-def group(r, mode: str, nprocs: int, phases: list[dict], window: float) -> dict:
-    """nprocs processes through every phase; one entry per phase (an error entry if it failed)."""
-    d = r.tmp / f"scaling-{mode}-{nprocs}"
+def group(r, mode: str, nprocs: int, phases: list[dict], window: float, tag: str = "") -> dict:
+    """nprocs processes through every phase; one entry per phase (an error entry if it failed). ``tag`` tells
+    apart the barrier folders of two groups of the same mode and size."""
+    d = r.tmp / f"scaling-{mode}-{nprocs}{tag}"
     d.mkdir()
     log(f"scaling: {nprocs} {'in-process' if mode == INPROC else 'client'} process(es), {len(phases)} phase(s)")
     children = []

@@ -58,6 +58,7 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
   reaper_ = std::make_unique<Reaper>();
   ExecutorOptions executor_options;
   executor_options.spin = std::chrono::microseconds(options_.spin_us);
+  executor_options.thread_name = "opd-exec";
   executor_options.parking_slots = static_cast<int>(options_.parking_slots);
   executor_options.park_deadline = std::chrono::milliseconds(options_.park_deadline_ms);
   // Ending the session waits for the executor, so never on its thread.
@@ -67,8 +68,9 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
       spdlog::warn("session {}: shutting down; its stalled inputs end it with every other", id);
     }
   };
-  executor_ = std::make_unique<Executor>(deps_.device_ops, deps_.runner, &stats_, executor_options,
-                                         [this](const Status& s) { OnFatal(s); });
+  executor_ = std::make_unique<ExecutorPool>(deps_.device_ops, deps_.runner, &stats_, executor_options,
+                                             static_cast<int>(options_.executor_threads),
+                                             [this](const Status& s) { OnFatal(s); });
   SessionLimits limits;
   limits.max_sessions = options_.max_sessions;
   limits.max_lanes = options_.max_lanes;
@@ -599,7 +601,7 @@ void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
   // we see kBound here, that OnSessionEnd will find and stop this consumer.
   if (rings_stopped_ || session->state() != SessionState::kBound) return;
   auto consumer = std::make_shared<RingConsumer>(session, &catalog_, std::move(sink), std::move(ro));
-  executor_->AddRing(consumer);  // polled by the executor's thread, like every ring
+  executor_->AddRing(session, consumer);  // polled by the session's executor, like every ring
   rings_[id] = std::move(consumer);
   spdlog::info("session {}: call ring of {} slots served", id, session->memory().ring_capacity());
 }

@@ -6,10 +6,11 @@
 // shared-memory call ring calls Call() the same way, from its RingConsumer).
 //
 // Owns and wires: SessionManager (sessions, tokens, binding), SessionChannel
-// (the SOCK_SEQPACKET socket and its thread), Executor (its one thread polls
-// every call ring and makes every CUDA launch; lane ordering), Reaper (region
-// open/close, session teardown), one RingConsumer per bound session with a
-// ring (handed to the executor at bind, stopped when the session ends; a ring
+// (the SOCK_SEQPACKET socket and its thread), ExecutorPool (--executor-threads
+// threads; each session's calls are polled from its ring and launched by one
+// of them; lane ordering), Reaper (region open/close, session teardown), one
+// RingConsumer per bound session with a ring (handed to the session's
+// executor at bind, stopped when the session ends; a ring
 // protocol violation ends that session on the reaper thread) and the stats.
 //
 // Without a GPU (DaemonDeps null) the daemon still runs: Version() answers,
@@ -37,7 +38,7 @@
 #include "server/device/device_ops.h"
 #include "server/device/region_opener.h"
 #include "server/exec/call_runner.h"
-#include "server/exec/executor.h"
+#include "server/exec/executor_pool.h"
 #include "server/exec/stats.h"
 #include "server/options.h"
 #include "server/ring/ring_consumer.h"
@@ -243,7 +244,7 @@ class Daemon {
 
   const std::vector<OpInfo>& catalog() const { return catalog_; }
   SessionManager& sessions() { return *sessions_; }
-  Executor& executor() { return *executor_; }
+  ExecutorPool& executor() { return *executor_; }
   Reaper& reaper() { return *reaper_; }
 
  private:
@@ -275,7 +276,7 @@ class Daemon {
 
   DaemonStats stats_;
   std::unique_ptr<Reaper> reaper_;
-  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<ExecutorPool> executor_;
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<SessionChannel> channel_;
   std::unique_ptr<server::WeightStore> store_;  // null: no allocator (no GPU) or --max-store-bytes 0

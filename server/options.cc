@@ -161,6 +161,9 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     } else if (flag == "--spin-us") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 100000, &opts->spin_us));
+    } else if (flag == "--executor-threads") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 16, &opts->executor_threads));
     } else if (flag == "--parking-slots") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 32, &opts->parking_slots));
@@ -192,8 +195,9 @@ std::string OptionsUsage() {
          "                     [--max-mapped-bytes SIZE] [--max-store-bytes SIZE] [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
-         "                     [--spin-us US] [--parking-slots N] [--park-deadline-ms MS]\n"
-         "                     [--memory-trim-ms MS] [--metrics-address HOST:PORT] ; see --help\n";
+         "                     [--spin-us US] [--executor-threads N] [--parking-slots N]\n"
+         "                     [--park-deadline-ms MS] [--memory-trim-ms MS]\n"
+         "                     [--metrics-address HOST:PORT] ; see --help\n";
 }
 
 std::string OptionsHelp() {
@@ -239,11 +243,15 @@ std::string OptionsHelp() {
          "                           keeps working either way.\n"
          "  --ring-capacity N        Slots of each session's call ring, a power of two in\n"
          "                           [8, 1024] (default 64; about 2.3 KiB of shared memory each).\n"
-         "  --spin-us US              After the last call, busy-poll this long before sleeping:\n"
-         "                           the executor's one thread, which polls every session's ring\n"
-         "                           and launches (then it sleeps on their futex doorbells).\n"
-         "                           Default 200; 0 sleeps at once. Waking a sleeping thread costs\n"
-         "                           tens of microseconds per call; an idle daemon uses no CPU.\n"
+         "  --spin-us US             After its last call, an executor thread busy-polls this long\n"
+         "                           before sleeping on its sessions' futex doorbells. Default 200;\n"
+         "                           0 sleeps at once. Waking a sleeping thread costs tens of\n"
+         "                           microseconds per call; an idle daemon uses no CPU.\n"
+         "  --executor-threads N     Threads that poll the sessions' call rings and launch their\n"
+         "                           calls, in [1, 16] (default 1). Each session is served by one,\n"
+         "                           the one with the fewest sessions when it starts; more threads\n"
+         "                           serve more busy clients at once, each busy one costing a core.\n"
+         "                           The parking slots are split between them.\n"
          "  --parking-slots N        Lanes that may have a GPU wait on their client's inputs parked\n"
          "                           at once, in [0, 32] (default 8; at most a quarter of\n"
          "                           CUDA_DEVICE_MAX_CONNECTIONS, which the daemon sets to 32).\n"

@@ -46,7 +46,8 @@ struct Options {
   std::vector<std::string> load_libraries;  // --load-library (repeatable): extra op libraries
   bool ring = true;                      // --ring / --no-ring: offer the shared-memory call ring
   uint32_t ring_capacity = v1::kDefaultRingCapacity;  // --ring-capacity: slots per ring, power of two 8..1024
-  uint32_t spin_us = 200;                // --spin-us: busy-poll window after the last call (the executor)
+  uint32_t spin_us = 200;                // --spin-us: busy-poll window after the last call (each executor)
+  uint32_t executor_threads = 1;         // --executor-threads: executors polling rings and launching, 1..16
   uint32_t parking_slots = 8;            // --parking-slots: lanes with a GPU wait parked at once (0: host checks)
   uint32_t park_deadline_ms = 2000;      // --park-deadline-ms: a parked lane this still loses its slot
   uint32_t memory_trim_ms = 10000;       // --memory-trim-ms: freed memory back to the kernel (0: never)

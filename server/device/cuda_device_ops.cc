@@ -16,6 +16,16 @@ Status CudaDeviceOps::Create(int device, std::unique_ptr<CudaDeviceOps>* out) {
   return Status::Ok();
 }
 
+Status CudaDeviceOps::EnterThread() {
+  // The stream operations below go to the driver without a context of their
+  // own; a thread that never ran a runtime call on the device has none.
+  if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Internal("cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
+  }
+  return Status::Ok();
+}
+
 Status CudaDeviceOps::RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) {
   Status s;
   const DriverApi* api = GetDriverApi(&s);

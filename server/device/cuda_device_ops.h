@@ -20,6 +20,7 @@ class CudaDeviceOps final : public DeviceOps {
   // UNAVAILABLE when the driver entry points cannot be resolved.
   static Status Create(int device, std::unique_ptr<CudaDeviceOps>* out);
 
+  Status EnterThread() override;
   Status RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) override;
   void UnregisterHostMemory(void* p) override;
   Status CreateStream(void** stream) override;

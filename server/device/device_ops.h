@@ -42,6 +42,13 @@ class DeviceOps {
  public:
   virtual ~DeviceOps() = default;
 
+  // DeviceOps::EnterThread
+  //
+  // Makes the daemon's device current on the calling thread (the CUDA
+  // runtime's cudaSetDevice): a thread that enqueues stream operations or
+  // launches calls it once, before its first. INTERNAL on failure.
+  virtual Status EnterThread() { return Status::Ok(); }
+
   // DeviceOps::RegisterHostMemory
   //
   // Page-locks [p, p + bytes) and maps it for the daemon's device

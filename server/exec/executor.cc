@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <thread>
 
+#include <pthread.h>
 #include <sys/prctl.h>
 
 #include <spdlog/spdlog.h>
@@ -258,6 +259,7 @@ void Executor::Fail(const Status& status) {
     fatal_ = true;
     fatal_status_ = status;
   }
+  Wake();  // its queued calls complete with `status` now
   spdlog::critical("executor: {}; failing every session", status.message());
   if (on_fatal_) on_fatal_(status);
 }
@@ -544,6 +546,11 @@ void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reaso
 void Executor::Loop() {
   // A 10 us backoff sleep would otherwise last the default 50 us slack.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+  pthread_setname_np(pthread_self(), options_.thread_name.substr(0, 15).c_str());
+  // No device (a daemon without a GPU serves no session): nothing to enter.
+  if (Status entered = device_ != nullptr ? device_->EnterThread() : Status::Ok(); !entered.ok()) {
+    Fail(Status::Rejected(Reason::kDeviceLost, "executor thread: ", entered.message()));
+  }
   auto spin_until = Clock::now() + options_.spin;
   std::chrono::microseconds backoff{0};
   while (true) {

@@ -56,11 +56,13 @@
 // A failure after acceptance can only be a CUDA error: it is logged and
 // counted; a sticky one fails every session through the fatal hook.
 //
-// One thread for every session: besides launching, it polls every call
-// source added with AddRing (each bound session's shared-memory call ring,
-// server/ring/ring_consumer.h) and submits what it decodes to itself, so a
-// ring call reaches its launch without a thread hand-off, and the daemon's
-// CPU grows with its load, not with its sessions.
+// One thread for all of its sessions: besides launching, it polls every
+// call source added with AddRing (each of its bound sessions' shared-memory
+// call ring, server/ring/ring_consumer.h) and submits what it decodes to
+// itself, so a ring call reaches its launch without a thread hand-off, and
+// the daemon's CPU grows with its load, not with its sessions. The daemon
+// runs a small fixed pool of executors (server/exec/executor_pool.h), each
+// serving the sessions assigned to it.
 //
 // Polling: the thread spins for `spin` after its last progress (a wake-up
 // of a sleeping thread costs tens of microseconds, more than a call). Then,
@@ -90,6 +92,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -137,6 +140,8 @@ struct ExecutorOptions {
   // A lane whose inputs_ready has not moved for this long gives up its slot
   // (and its session) when another lane needs one (--park-deadline-ms).
   std::chrono::milliseconds park_deadline{2000};
+  // The thread's name (at most 15 characters), as `top -H` shows it.
+  std::string thread_name = "opd-executor";
   // Told (on the executor thread) that `session` was released for stalling;
   // the daemon ends it. Must not call back into the executor synchronously.
   std::function<void(const std::shared_ptr<Session>&, const Status&)> on_stalled;
@@ -201,6 +206,14 @@ class Executor {
   // (RingConsumer::RequestStop) or the executor stops; it keeps `source`
   // alive meanwhile.
   void AddRing(std::shared_ptr<CallSource> source);
+
+  // Executor::Fail
+  //
+  // As after a sticky CUDA error: every later call is rejected with
+  // `status`, every queued one completes with it (its "done" is not
+  // written: the device is gone), and the fatal hook runs once, on the
+  // calling thread. Idempotent; the first status stays.
+  void Fail(const Status& status);
 
   // Calls queued and not yet completed.
   size_t pending() const;
@@ -300,7 +313,6 @@ class Executor {
   // Answers `session`'s (every session's, for null) waiting host-ordered
   // calls with `reason`.
   void DropAwaiting(const std::shared_ptr<Session>& session, const Status& reason);
-  void Fail(const Status& status);
   // Polls every ring, letting finished ones go; returns records taken.
   size_t PollRings();
   // Bumps wake_word_ and wakes the thread if it sleeps.

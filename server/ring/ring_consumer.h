@@ -2,9 +2,9 @@
 //
 // The daemon's side of one session's shared-memory call ring
 // (proto/cache_dit_opd/v1/ring.h). Passive: whoever serves it calls Poll()
-// (in the daemon, the executor's one thread polls every ring:
-// server/exec/executor.h); Start() gives it a thread of its own instead (the
-// consumer's own tests).
+// (in the daemon, the thread of the session's executor, which polls every
+// ring it serves: server/exec/executor.h); Start() gives it a thread of its
+// own instead (the consumer's own tests).
 //
 // Poll():
 //   1. load-acquire sq_tail; a tail behind the consumer's PRIVATE head, or
@@ -13,7 +13,7 @@
 //      mid-store, and its thread preempted there), it is a protocol
 //      violation: the violation hook runs once (the daemon ends that
 //      session) and the consumer is finished. No poll waits for it to
-//      settle (one thread polls every ring). The shared sq_head and the
+//      settle (one thread polls many rings). The shared sq_head and the
 //      RingControl fields are never read.
 //   2. for each ticket t in [head, tail): copy slot t % capacity (kSlotBytes,
 //      the mask is the daemon's own capacity) into private memory ONCE,

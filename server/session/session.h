@@ -125,6 +125,10 @@ class Session {
   // asynchronous client far ahead of its GPU waits on its own ring instead
   // of growing the daemon's memory.
   std::atomic<uint64_t> held{0};
+  // Which of the daemon's executor threads serves this session: -1 until
+  // its first call, ring or end picks one (server/exec/executor_pool.h owns
+  // the encoding); fixed from then on, so its lanes stay on one thread.
+  std::atomic<int> executor_shard{-1};
   // steady_clock nanoseconds of the last call's completion; 0: none yet.
   std::atomic<int64_t> last_call_ns{0};
   std::chrono::steady_clock::time_point opened_at() const { return opened_at_; }

@@ -212,3 +212,33 @@ def test_functional_verdict_needs_sync_within_12_us_and_async_below_in_process(r
     modes["async"]["functional"][shape][next(iter(modes["async"]["functional"][shape]))] = {"error": "timed out"}
     assert verdicts(res)["latency.functional"]["verdict"] == "incomplete"
     assert "Functional overloads" in report.markdown(copy.deepcopy(res))
+
+
+def test_executor_sweep_is_judged_at_its_best_count_within_the_cpu_bound_and_tabled(res):
+    assert "scaling.executors" not in verdicts(res)  # a run from before the sweep: no row, not "missed"
+    sc = res["cases"]["scaling"]
+    base = report.scaling_baseline(res, "launch")["calls_per_s"]
+
+    def launch(calls_per_s, cpu):
+        return {"status": "ok", "nprocs": 8, "mode": "client",
+                "phases": [{"bound": "launch", "shape": "flux_rank", "op": "fp8_comm_per_token_quant",
+                            "mode": "async", "procs": 8, "window_s": 2.5, "errors": [], "calls": 1,
+                            "elapsed_s": 1.0, "calls_per_s": calls_per_s, "daemon_cpu_pct": cpu}]}
+
+    sc["params"]["executor_threads"] = [2, 4]
+    sc["executor_threads"] = {"run_daemon": 1, "sweep": {"2": launch(130_000.0, 199.0), "4": launch(150_000.0, 390.0)}}
+    row = verdicts(res)["scaling.executors"]
+    assert row["verdict"] == "met", row
+    assert "2 threads: 130,000 (199%)" in row["achieved"] and "4 threads: 150,000 (390%)" in row["achieved"], row
+    assert row["achieved"].startswith("1 thread: "), row  # the run's daemon, from the main 8-process group
+    sc["executor_threads"]["sweep"]["2"] = launch(130_000.0, 201.0)  # fast enough, but over 200%
+    assert verdicts(res)["scaling.executors"]["verdict"] == "missed"
+    sc["executor_threads"]["sweep"]["2"] = launch(120_000.0, 150.0)  # within the CPU bound, too slow
+    assert verdicts(res)["scaling.executors"]["verdict"] == "missed"
+    md = report.markdown(copy.deepcopy(res))
+    assert f"| 2 | 120000 | {120_000.0 / base:.0%} | 150% |" in md
+    assert f"| 4 | 150000 | {150_000.0 / base:.0%} | 390% |" in md
+    sc["executor_threads"] = {"run_daemon": 1, "sweep": {"2": {"status": "error", "error": "x"}}}
+    for g in sc["remote"].values():
+        g["phases"] = [p for p in g["phases"] if p["bound"] != "launch"]
+    assert verdicts(res)["scaling.executors"]["verdict"] == "no data"

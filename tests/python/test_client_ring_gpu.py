@@ -263,3 +263,42 @@ def test_client_killed_with_records_in_flight_leaves_daemon_healthy(daemon):
             q = kernels.fp8_comm_per_token_quant(x)
         cache_dit_opd.synchronize()
         torch.testing.assert_close(fx.ref.per_token_dequant(q).float(), x.float(), atol=0.2, rtol=0.1)
+
+
+CHAIN_WORKER = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+import cache_dit_opd
+from test_client_ring_gpu import _chain
+torch.manual_seed({seed})
+x0 = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16) * 3
+with cache_dit_opd.async_calls(False):
+    want = _chain(x0, 1000, 250)
+torch.cuda.synchronize()
+with cache_dit_opd.async_calls(True):
+    got = _chain(x0, 1000, 250)
+cache_dit_opd.synchronize()
+same = all(torch.equal(a.view(torch.uint16), b.view(torch.uint16)) for a, b in zip(got, want))
+print("same" if same and len(got) == 4 else "differ", flush=True)
+"""
+
+
+def test_client_processes_on_two_executor_threads_each_get_their_own_results():
+    """Four processes at once on a daemon with --executor-threads 2 (two sessions per thread): each one's
+    asynchronous chain of 2,000 daemon calls equals its synchronous one bit for bit."""
+    if _native.library() is None:
+        pytest.skip(f"the native library is not loaded: {_native.load_error()}")
+    d = fx.daemon(None, "--executor-threads", "2", fake=False)
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", CHAIN_WORKER.format(tests=fx.HERE, seed=k)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=fx.subprocess_env(CACHE_DIT_OPD_ADDRESS=d.address)) for k in range(4)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        for k, (p, (out, err)) in enumerate(zip(procs, outs)):
+            assert p.returncode == 0 and out.strip() == "same", f"process {k}: {out!r}\n{err[-3000:]}"
+        st = d.stats()
+        assert st.calls >= 4 * 4000, st
+        assert d.version().serving
+    finally:
+        d.stop()
+        shutil.rmtree(d.workdir, ignore_errors=True)

@@ -245,7 +245,7 @@ def test_help_documents_every_flag():
     for flag in (
         "--device", "--socket", "--runtime-dir", "--log-level", "--max-sessions", "--max-lanes",
         "--max-regions", "--max-mapped-bytes", "--max-message-bytes", "--drain-deadline-ms",
-        "--bind-timeout-ms", "--allowed-gid", "--load-library",
+        "--bind-timeout-ms", "--allowed-gid", "--load-library", "--executor-threads",
     ):
         assert flag in out.stdout, flag
     bad = subprocess.run([str(DAEMON), "--max-lanes", "zero"], capture_output=True, text=True, timeout=30)

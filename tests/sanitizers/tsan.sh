@@ -12,7 +12,8 @@
 #
 # What is built: -DCACHE_DIT_SANITIZE=thread (cmake/OpdTargets.cmake), Release
 # (-O3 -g), and only three test executables and their dependencies:
-#   opd_server_tests  ctest server.*  executor (ExecutorTest, LaunchAheadTest),
+#   opd_server_tests  ctest server.*  executors (ExecutorTest, LaunchAheadTest,
+#                     ExecutorPoolTest),
 #                     ring (Ring*Test), session manager, region registry, peer
 #                     policy, the gRPC service in-process (DaemonServiceTest),
 #                     and the small single-threaded ones in the same binary

@@ -14,9 +14,14 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
 #include "tests/cpp/client/support/test_support.h"
@@ -136,11 +141,12 @@ class GrpcRegistrar final : public RegionRegistrar {
 
 class EngineTest : public ::testing::Test {
  protected:
-  void StartDaemon(bool hold = false) {
+  void StartDaemon(bool hold = false, std::vector<std::string> flags = {}) {
     const std::string binary = OPD_FAKE_DAEMON;
     if (hold) ::setenv("CACHE_DIT_OPD_FAKE_HOLD", "1", 1);
     testing::DaemonProcess::Options o;
     o.binary = binary;
+    o.extra_args = std::move(flags);
     o.startup_timeout = 30000ms;
     Status s = testing::DaemonProcess::Start(o, &daemon_);
     ::unsetenv("CACHE_DIT_OPD_FAKE_HOLD");
@@ -149,7 +155,10 @@ class EngineTest : public ::testing::Test {
   }
 
   // OpenSession + bind, then the engine on host memory.
-  void OpenEngine(EngineOptions options = {}) {
+  void OpenEngine(EngineOptions options = {}) { Open(options, &reply_, &registrar_, &engine_); }
+
+  void Open(EngineOptions options, pb::OpenSessionReply* out_reply, std::unique_ptr<GrpcRegistrar>* registrar,
+            std::shared_ptr<SessionEngine>* engine) {
     pb::OpenSessionRequest req;
     req.set_protocol_version(pb::kProtocolVersion);
     req.set_client_pid(::getpid());
@@ -160,7 +169,7 @@ class EngineTest : public ::testing::Test {
     grpc::Status g = stub_->OpenSession(&ctx, req, &reply);
     ASSERT_TRUE(g.ok()) << g.error_message();
     ASSERT_TRUE(reply.ring_enabled());
-    reply_ = reply;
+    *out_reply = reply;
     for (int i = 0; i < reply.catalog_size(); ++i) {
       if (reply.catalog(i).name() == "fp8_comm_per_token_quant" && reply.catalog(i).overload() == "out") quant_ = i;
       if (reply.catalog(i).name() == "svdq_quantize_w4a4_act_fuse_lora" && reply.catalog(i).overload() == "out") {
@@ -175,8 +184,8 @@ class EngineTest : public ::testing::Test {
     Status s = BindSession(bound.channel.get(), reply.session_id(), reply.token(), 5000, reply.shared_memory_bytes(),
                            &bound.memfd, &bound.memory_bytes);
     ASSERT_TRUE(s.ok()) << s.ToString();
-    registrar_ = std::make_unique<GrpcRegistrar>(stub_.get(), reply.session_id(), reply.token());
-    s = SessionEngine::Create(0, std::move(bound), options, registrar_.get(), &engine_, std::make_unique<HostDevice>());
+    *registrar = std::make_unique<GrpcRegistrar>(stub_.get(), reply.session_id(), reply.token());
+    s = SessionEngine::Create(0, std::move(bound), options, registrar->get(), engine, std::make_unique<HostDevice>());
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
 
@@ -185,10 +194,11 @@ class EngineTest : public ::testing::Test {
   }
 
   // fp8_comm_per_token_quant.out(x [4, 64] `dtype`, out [4, 66] e4m3) as a record.
-  RecordArgs Quant(DType dtype = DType::kBFloat16, uint64_t in_region = 0) {
+  RecordArgs Quant(DType dtype = DType::kBFloat16, uint64_t in_region = 0, SessionEngine* engine = nullptr) {
+    if (engine == nullptr) engine = engine_.get();
     ResolvedRegion in, out;
-    EXPECT_TRUE(engine_->ResolveRegion(reinterpret_cast<void*>(kInBase), &in).ok());
-    EXPECT_TRUE(engine_->ResolveRegion(reinterpret_cast<void*>(kOutBase), &out).ok());
+    EXPECT_TRUE(engine->ResolveRegion(reinterpret_cast<void*>(kInBase), &in).ok());
+    EXPECT_TRUE(engine->ResolveRegion(reinterpret_cast<void*>(kOutBase), &out).ok());
     RecordArgs r;
     const int64_t xs[] = {4, 64}, xst[] = {64, 1}, os[] = {4, 66}, ost[] = {66, 1};
     EXPECT_TRUE(r.AddTensor(in_region ? in_region : in.region_id, 0, dtype, 2, xs, xst));
@@ -223,10 +233,11 @@ class EngineTest : public ::testing::Test {
     return r;
   }
 
-  uint64_t DaemonCalls() {
+  uint64_t DaemonCalls(const pb::OpenSessionReply* session = nullptr) {
+    if (session == nullptr) session = &reply_;
     pb::StatsRequest req;
-    req.set_session_id(reply_.session_id());
-    req.set_token(reply_.token());
+    req.set_session_id(session->session_id());
+    req.set_token(session->token());
     pb::StatsReply rep;
     grpc::ClientContext ctx;
     EXPECT_TRUE(stub_->GetStats(&ctx, req, &rep).ok());
@@ -361,6 +372,56 @@ TEST_F(EngineTest, AStoppedDaemonIsFoundByItsHeartbeat) {
   ASSERT_TRUE(failed);
   EXPECT_LT(took, 3000ms);
   EXPECT_NE(engine_->failure().message().find("heartbeat"), std::string::npos) << engine_->failure().ToString();
+}
+
+// The daemon with several executor threads: six clients calling at once,
+// each from its own thread, every call answered and counted, and the threads
+// there to be seen by name.
+TEST_F(EngineTest, SeveralExecutorThreadsServeClientsCallingAtOnce) {
+  StartDaemon(/*hold=*/false, {"--executor-threads", "3"});
+  constexpr int kClients = 6;
+  constexpr int kCalls = 300;
+  std::vector<pb::OpenSessionReply> replies(kClients);
+  std::vector<std::unique_ptr<GrpcRegistrar>> registrars(kClients);
+  std::vector<std::shared_ptr<SessionEngine>> engines(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    Open({}, &replies[i], &registrars[i], &engines[i]);
+    ASSERT_TRUE(engines[i]);
+  }
+  std::vector<RecordArgs> args;
+  for (int i = 0; i < kClients; ++i) args.push_back(Quant(DType::kBFloat16, 0, engines[i].get()));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] {
+      for (int n = 0; n < kCalls; ++n) {
+        CallAnswer a;
+        // Mostly asynchronous, every tenth waits for its answer.
+        Status s = engines[i]->CallRing(nullptr, static_cast<uint32_t>(quant_), args[i], n % 10 != 9, {},
+                                        IssueOptions{}, &a);
+        if (!s.ok() || a.code != 0) failures.fetch_add(1);
+      }
+      if (!engines[i]->WaitConsumed().ok()) failures.fetch_add(1);
+    });
+  }
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_TRUE(WaitUntil([&] { return !engines[i]->LanesBehind(); })) << "client " << i;
+    EXPECT_EQ(engines[i]->lane_state(0).done, static_cast<uint64_t>(kCalls));
+    EXPECT_FALSE(engines[i]->HasRejected());
+    EXPECT_EQ(DaemonCalls(&replies[i]), static_cast<uint64_t>(kCalls)) << "client " << i;
+  }
+  std::set<std::string> names;
+  const std::string tasks = "/proc/" + std::to_string(daemon_->process().pid()) + "/task";
+  for (const auto& t : std::filesystem::directory_iterator(tasks)) {
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name.rfind("opd-exec", 0) == 0) names.insert(name);
+  }
+  EXPECT_EQ(names, (std::set<std::string>{"opd-exec-0", "opd-exec-1", "opd-exec-2"}));
+  for (auto& e : engines) e->Close();
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <limits>
 #include <thread>
 
+#include "tests/cpp/server/executor_test_util.h"
 #include "tests/fake_daemon/fakes.h"
 
 namespace cache_dit_opd {
@@ -19,6 +20,10 @@ using testing::FakeDeviceOps;
 using testing::FakeRegionOpener;
 using testing::FakeRunner;
 using testing::Handle;
+using testing::NewTestSession;
+using testing::Req;
+using testing::SetInputsReady;
+using testing::WaitUntil;
 
 // Collects completions; Wait() blocks until `n` arrived.
 class Results {
@@ -55,14 +60,6 @@ class Results {
   std::vector<int> order_;
 };
 
-CallRequest Req(uint32_t lane, uint64_t seq, std::string op = "noop") {
-  CallRequest r;
-  r.op = std::move(op);
-  r.overload = "out";
-  r.lane = lane;
-  r.seq = seq;
-  return r;
-}
 
 CallRequest HostOrdered(uint32_t lane, std::string op = "noop") {
   CallRequest r = Req(lane, 0, std::move(op));
@@ -70,17 +67,6 @@ CallRequest HostOrdered(uint32_t lane, std::string op = "noop") {
   return r;
 }
 
-// Polls `pred` for up to `timeout`: a call is answered when it is accepted,
-// and runs later on the executor thread.
-template <typename Pred>
-bool WaitUntil(Pred pred, std::chrono::milliseconds timeout = 5000ms) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
 
 // The host-check executor (no parking slot): a call whose inputs are not
 // ready stays queued on the host. LaunchAheadTest below covers the slots.
@@ -112,17 +98,7 @@ class ExecutorTest : public ::testing::Test {
   }
 
   std::shared_ptr<Session> NewSession(uint32_t lanes, bool bound = true) {
-    SessionConfig c;
-    c.id = ++next_id_;
-    c.lanes = lanes;
-    c.client_pid = 1;
-    std::shared_ptr<Session> s;
-    EXPECT_TRUE(Session::Create(c, &device_, &opener_, &s).ok());
-    if (bound) s->set_state(SessionState::kBound);
-    return s;
-  }
-  static void SetInputsReady(Session& s, uint32_t lane, uint64_t v) {
-    std::atomic_ref<uint64_t>(s.memory().lane(lane)->inputs_ready).store(v, std::memory_order_release);
+    return NewTestSession(++next_id_, lanes, &device_, &opener_, bound);
   }
 
   FakeDeviceOps device_;

@@ -208,9 +208,11 @@ TEST(GpuRegionTest, RealHandleFromAnotherProcess) {
 // The daemon core on a real GPU: real lane streams writing "done" into the
 // registered memfd, a real IPC mapping from another process, the no-stall
 // rule across sessions, and a client death that unmaps only after drain.
-// The op runner is a fake (the dispatch layer has its own tests).
-TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
-  SKIP_WITHOUT_GPU();
+// The op runner is a fake (the dispatch layer has its own tests). With two
+// executor threads the two sessions are served by different ones, and the
+// stalled session's first stream operation is its parked wait: the thread
+// makes the device current before its first (DeviceOps::EnterThread).
+void OrderingNoStallAndClientDeath(uint32_t executor_threads) {
   DeviceInfo dev = cuda::ProbeDevice(0);
   testing::TempDir dir;
   std::unique_ptr<cuda::CudaDeviceOps> ops;
@@ -219,6 +221,7 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
   testing::FakeRunner runner;
   Options o;
   o.drain_deadline_ms = 2000;
+  o.executor_threads = executor_threads;
   DaemonInfo info;
   info.device_index = 0;
   info.gpu_uuid = dev.uuid;
@@ -277,6 +280,18 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
   Client a, b;
   open(&a);
   open(&b);
+  if (executor_threads > 1) {
+    auto session = [&](const Client& c) {
+      std::shared_ptr<Session> s;
+      EXPECT_TRUE(d.sessions().Authorize(c.r.session_id, c.token, /*require_bound=*/true, &s).ok());
+      return s;
+    };
+    // Neither has called yet, so asking assigns them: a to one executor, b
+    // (the other then serving fewer) to the other.
+    auto sa = session(a), sb = session(b);
+    ASSERT_TRUE(sa && sb);
+    EXPECT_NE(d.executor().ExecutorOf(*sa), d.executor().ExecutorOf(*sb));
+  }
   std::promise<std::pair<Status, RegionRegistry::Registered>> reg;
   d.RegisterRegion(a.r.session_id, a.token, exporter.handle(), 1 << 20,
                    [&](const Status& s, const RegionRegistry::Registered& r) { reg.set_value({s, r}); });
@@ -347,6 +362,16 @@ TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
   munmap(a.mem, a.bytes);
   munmap(b.mem, b.bytes);
   close(b.fd);
+}
+
+TEST(GpuDaemonTest, OrderingNoStallAndClientDeath) {
+  SKIP_WITHOUT_GPU();
+  OrderingNoStallAndClientDeath(1);
+}
+
+TEST(GpuDaemonTest, OrderingNoStallAndClientDeathOnTwoExecutorThreads) {
+  SKIP_WITHOUT_GPU();
+  OrderingNoStallAndClientDeath(2);
 }
 
 TEST(GpuProbeTest, UuidLooksLikeNvidiaSmi) {

@@ -56,10 +56,12 @@ TEST(OptionsTest, MetricsAddress) {
 TEST(OptionsTest, RingFlags) {
   Options o;
   bool help = false;
-  ASSERT_TRUE(Parse({"--no-ring", "--ring-capacity", "1024", "--spin-us=0"}, &o, &help).ok());
+  EXPECT_EQ(o.executor_threads, 1u);
+  ASSERT_TRUE(Parse({"--no-ring", "--ring-capacity", "1024", "--spin-us=0", "--executor-threads", "4"}, &o, &help).ok());
   EXPECT_FALSE(o.ring);
   EXPECT_EQ(o.ring_capacity, 1024u);
   EXPECT_EQ(o.spin_us, 0u);
+  EXPECT_EQ(o.executor_threads, 4u);
   ASSERT_TRUE(Parse({"--no-ring", "--ring", "--ring-capacity=8"}, &o, &help).ok());
   EXPECT_TRUE(o.ring);  // the last one wins
   EXPECT_EQ(o.ring_capacity, 8u);
@@ -73,6 +75,8 @@ TEST(OptionsTest, RingFlags) {
       {{"--ring-capacity"}, "needs a value"},
       {{"--spin-us", "-5"}, "'-5'"},
       {{"--spin-us", "100001"}, "out of range"},
+      {{"--executor-threads", "0"}, "out of range [1, 16]"},
+      {{"--executor-threads=17"}, "out of range [1, 16]"},
       {{"--ring=yes"}, "--ring takes no value"},
       {{"--no-ring=1"}, "--no-ring takes no value"},
   };
@@ -161,7 +165,8 @@ TEST(OptionsTest, HelpDocumentsEveryFlag) {
   for (const char* flag : {"--device", "--socket", "--runtime-dir", "--log-level", "--max-sessions", "--max-lanes",
                            "--max-regions", "--max-mapped-bytes", "--max-message-bytes", "--drain-deadline-ms",
                            "--bind-timeout-ms", "--allowed-gid", "--load-library", "--ring", "--no-ring",
-                           "--ring-capacity", "--spin-us", "--memory-trim-ms", "--help"}) {
+                           "--ring-capacity", "--spin-us", "--executor-threads", "--parking-slots",
+                           "--park-deadline-ms", "--memory-trim-ms", "--metrics-address", "--help"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(text.find(".session.sock"), std::string::npos);
