@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 
+#include "client/python/functional_kernel.h"
 #include "client/python/native_session.h"
 #include "client/python/proxy_kernel.h"
 
@@ -108,7 +109,7 @@ int TakeRejected(NativeSession& s, int wait, OpdRejected* out, int max) {
 extern "C" {
 
 // Bumped whenever a signature or struct below changes.
-__attribute__((visibility("default"))) int opd_native_abi_version() { return 3; }
+__attribute__((visibility("default"))) int opd_native_abi_version() { return 4; }
 
 // sizeof the boundary's structs (0: OpdStatus, 1: OpdRejected): _native.py
 // refuses a library whose structs are not the size of its ctypes copies.
@@ -131,6 +132,16 @@ __attribute__((visibility("default"))) int opd_native_register_kernel(const char
   } catch (const std::exception& e) {
     CopyOut(e.what(), err, err_len);
     return -1;
+  }
+}
+
+// 1 when the functional op `name` had the native kernel and no longer has
+// it, 0 when it had none.
+__attribute__((visibility("default"))) int opd_native_unregister_kernel(const char* name) {
+  try {
+    return UnregisterFunctionalKernel(name) ? 1 : 0;
+  } catch (const std::exception&) {
+    return 0;  // no exception crosses the C boundary (taking the lock is all that can throw)
   }
 }
 

@@ -4,10 +4,11 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -60,7 +61,9 @@ using Registrar = void (*)(torch::Library* lib, const char* name, const c10::Ope
 
 template <auto Meta>
 void Register(torch::Library* lib, const char* name, const c10::OperatorHandle& out) {
-  Functional<Meta>::out_op = out;
+  // Again after an unregistration: the .out overload is the client's own
+  // and outlives it, so the handle stays (and no running call sees it move).
+  if (!Functional<Meta>::out_op) Functional<Meta>::out_op = out;
   lib->impl(name, TORCH_FN(Functional<Meta>::call));
 }
 
@@ -87,8 +90,8 @@ constexpr Row kRows[] = {CACHE_DIT_OPS_ATTN(OPD_FUNCTIONAL_ROW) CACHE_DIT_OPS_CO
 #undef OPD_FUNCTIONAL_ROW
 
 std::mutex g_mu;
-std::set<std::string> g_registered;                         // guarded by g_mu
-std::vector<std::unique_ptr<torch::Library>> g_libraries;  // guarded by g_mu
+// One Library per op, so that one registration can be taken back alone.
+std::map<std::string, std::unique_ptr<torch::Library>> g_libraries;  // guarded by g_mu
 
 }  // namespace
 
@@ -105,12 +108,25 @@ std::string RegisterFunctionalKernel(const std::string& name) {
     return std::string(kNamespace) + "::" + name + " is not defined";
   }
   std::lock_guard<std::mutex> lock(g_mu);
-  if (!g_registered.insert(name).second) return "";
+  if (g_libraries.count(name)) return "";
   auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, kNamespace, c10::DispatchKey::CUDA,
                                               __FILE__, __LINE__);
   row->reg(lib.get(), row->name, *out);
-  g_libraries.push_back(std::move(lib));
+  g_libraries.emplace(name, std::move(lib));
   return "";
+}
+
+bool UnregisterFunctionalKernel(const std::string& name) {
+  std::unique_ptr<torch::Library> lib;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_libraries.find(name);
+    if (it == g_libraries.end()) return false;
+    lib = std::move(it->second);
+    g_libraries.erase(it);
+  }
+  lib.reset();  // its registration leaves the dispatcher (outside g_mu: the dispatcher takes its own lock)
+  return true;
 }
 
 }  // namespace cache_dit_opd::client

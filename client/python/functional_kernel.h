@@ -19,8 +19,15 @@
 
 namespace cache_dit_opd::client {
 
-// Empty on success, else why `name` (a functional overload) cannot have the
-// native kernel (kernels/ops.def does not list it).
+// Empty on success (or when it has it already), else why `name` (a
+// functional overload) cannot have the native kernel (kernels/ops.def does
+// not list it, or the op or its .out overload is not defined).
 std::string RegisterFunctionalKernel(const std::string& name);
+
+// Takes the native kernel of `name` out of the dispatcher again; false when
+// it had none. For an op whose definition is about to go (the Python client
+// gives cache-dit's svdq ops back): a kernel left registered would become
+// the CUDA kernel of the next definition of that name.
+bool UnregisterFunctionalKernel(const std::string& name);
 
 }  // namespace cache_dit_opd::client

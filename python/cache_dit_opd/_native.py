@@ -31,7 +31,7 @@ from . import _errors, _wire
 
 log = logging.getLogger("cache_dit_opd")
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 LIB_NAME = "libcache_dit_opd_native.so"
 _MAX_REJECTED = 64
 # ProxyFallback in client/python/native_session.h, in order
@@ -85,6 +85,7 @@ def _prototype(lib) -> None:
         "opd_native_struct_bytes": (c.c_uint64, [c.c_int]),
         "opd_native_protocol_version": (c.c_int, []),
         "opd_native_register_kernel": (c.c_int, [c.c_char_p, c.c_char_p, c.c_size_t]),
+        "opd_native_unregister_kernel": (c.c_int, [c.c_char_p]),
         "opd_native_open": (c.c_int64, [c.c_int, c.c_int, c.c_int, c.c_uint64, c.c_uint64, c.c_uint32, c.c_uint64,
                                         c.c_uint64, c.c_uint64, status]),
         "opd_native_close": (None, [c.c_int64]),
@@ -189,6 +190,13 @@ def register_kernel(name_overload: str) -> str | None:
     if lib.opd_native_register_kernel(name_overload.encode(), err, len(err)) != 0:
         return err.value.decode(errors="replace")
     return None
+
+
+def unregister_kernel(name: str) -> bool:
+    """Takes the native kernel of the functional op ``name`` back out of the dispatcher (before its definition
+    goes); whether it had one."""
+    lib = library()
+    return lib is not None and lib.opd_native_unregister_kernel(name.encode()) == 1
 
 
 def set_async_process(enabled: bool) -> None:

@@ -154,10 +154,10 @@ def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
     kernel, with ``cuda_impl`` moved to PYTHON_IMPL_KEY behind it for the calls the kernel hands back; a
     functional overload the functional kernel, which validates and allocates with the op's own Meta kernel
     and calls the ``.out`` overload (client/python/functional_kernel.h), so its ``cuda_impl`` serves only
-    the pure-Python client and cache-dit's integration. The exception are the functional ops this client
-    may give back to cache-dit (CACHE_DIT_OPS, defined in a Library of their own): a native registration
-    would outlive that Library and become the CUDA kernel of cache-dit's definition, so they keep
-    ``cuda_impl``. Without the native library every op gets ``cuda_impl`` as its CUDA kernel.
+    the pure-Python client and cache-dit's integration. The functional ops this client may give back to
+    cache-dit (CACHE_DIT_OPS, defined in a Library of their own) have their native kernel taken out of the
+    dispatcher before that Library goes (_yield_to_cache_dit): left there, it would become the CUDA kernel of
+    cache-dit's definition. Without the native library every op gets ``cuda_impl`` as its CUDA kernel.
     """
     from . import _native
 
@@ -167,7 +167,7 @@ def attach(lib, full: str, cuda_impl, fake, fake_present: dict) -> None:
     lib = _own_libs.get(full, lib)
     qualname = f"{NAMESPACE}::{full}"
     out_overload = _returns_alias_outputs(qualname)
-    if _native.library() is not None and (out_overload or full not in _own_libs):
+    if _native.library() is not None:
         if out_overload:
             torch.library.impl(qualname, PYTHON_IMPL_KEY, cuda_impl, lib=lib)
         why = _native.register_kernel(full)
@@ -229,8 +229,11 @@ def _define_own(full: str, sig: str, tags) -> None:
 
 
 def _yield_to_cache_dit() -> list:
+    from . import _native
+
     gave = list(_own_libs)
     for full in gave:
+        _native.unregister_kernel(full)  # first: it is not in the Library below, and must not outlive it
         _own_libs.pop(full)._destroy()  # definition, impl and fake; torch drops torch.ops' cached packet too
         _yielded.add(full)
     return gave

@@ -46,11 +46,33 @@ def test_every_overload_gets_a_native_kernel_and_keeps_python_behind_it():
         assert "client/python/functional_kernel.cpp" in _cuda_kernel_source(q)
         assert f"{_proxy.PYTHON_IMPL_KEY}: registered at" not in torch._C._dispatch_dump(q)  # never handed back
     assert _native.register_kernel("fp8_comm_per_token_quant") is None  # again: nothing to do
-    # cache-dit's svdq ops, which this client gives back when cache-dit's registry loads, keep the Python
-    # kernel in their own Library: a native registration would outlive it.
-    for op in sorted(_proxy.CACHE_DIT_OPS & set(_proxy._own_libs)):
-        assert "/cache_dit_opd/_" in _cuda_kernel_source(f"cache_dit_cuda_ops::{op}"), op  # a .py of the client
+    # cache-dit's svdq ops, which this client defines in Libraries of their own (it gives them back when
+    # cache-dit's registry loads), get the native kernel too.
     assert {"svdq_gemm_w4a4", "svdq_quantize_w4a4_wgt"} <= set(_proxy._own_libs)
+    for op in sorted(_proxy.CACHE_DIT_OPS & set(_proxy._own_libs)):
+        assert "client/python/functional_kernel.cpp" in _cuda_kernel_source(f"cache_dit_cuda_ops::{op}"), op
+
+
+@needs_library
+def test_an_op_given_back_loses_its_native_kernel_first_and_gets_it_again_when_taken_back():
+    """What cache-dit's registry import does (give back, then take back what it did not define), without
+    cache-dit: in between no kernel of this client is left under the name; afterwards the native one is back."""
+    code = """
+        import torch, cache_dit_opd
+        from cache_dit_opd import _native, _proxy
+        q = "cache_dit_cuda_ops::svdq_gemm_w4a4"
+        assert "functional_kernel.cpp" in torch._C._dispatch_dump(q)
+        gave = _proxy._yield_to_cache_dit()
+        assert "svdq_gemm_w4a4" in gave
+        dump = torch._C._dispatch_dump(q)
+        assert "functional_kernel.cpp" not in dump and "cache_dit_opd" not in dump, dump
+        assert not _native.unregister_kernel("svdq_gemm_w4a4")  # nothing left to take back
+        _proxy._reclaim(gave)
+        assert "functional_kernel.cpp" in torch._C._dispatch_dump(q)
+        print("ok")
+    """
+    r = fx.run_python(textwrap.dedent(code), CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
 @needs_library

@@ -254,18 +254,28 @@ def test_functional_overloads_run_natively_without_entering_python(native):
     x = torch.randn(32, 128, device="cuda", dtype=BF16)
     po, so = (torch.randn(1, 24, 4, 64, device="cuda", dtype=BF16) for _ in range(2))
     pl, sl = (torch.randn(1, 4, 24, device="cuda").permute(0, 2, 1).unsqueeze(-1) for _ in range(2))
+    w = torch.randn(128, 128, device="cuda", dtype=BF16)  # svdq's, defined in Libraries of their own
+    xa = torch.randn(200, 128, device="cuda", dtype=BF16)
     for _ in range(2):  # the first calls may register output allocations (through Python)
         q = OPS.fp8_comm_per_token_quant(x)
         OPS.fp8_comm_per_token_dequant(q)
         OPS.fused_merge_attn_states(po, pl, so, sl)
+        OPS.svdq_quantize_w4a4_wgt(w)
+        OPS.svdq_quantize_w4a4_act_fuse_lora(xa, None, None, False, False, 256)
     before = _state(s)
     with _PythonCalls() as calls:
         q = OPS.fp8_comm_per_token_quant(x)
         y = OPS.fp8_comm_per_token_dequant(q)
         out, lse = OPS.fused_merge_attn_states(po, pl, so, sl)
+        qw, ws = OPS.svdq_quantize_w4a4_wgt(w)
+        act, ascales, lora_act = OPS.svdq_quantize_w4a4_act_fuse_lora(xa, None, None, False, False, 256)
     after = _state(s)
     assert calls.names == [], calls.names
-    assert after["native_calls"] - before["native_calls"] == 3
+    assert after["native_calls"] - before["native_calls"] == 5
+    assert act.shape == (256, 128) and ascales.shape == (2, 256) and lora_act.shape == (256, 0)
+    q_ref, s_ref = fx.sq.quantize_weight(w.cpu(), BF16)  # the weight quantizer is bit-exact to it
+    assert torch.equal(qw.cpu().view(torch.uint8), fx.sq.pack_qweight(q_ref).view(torch.uint8))
+    assert torch.equal(ws.cpu().view(torch.uint8), fx.sq.pack_wscales(s_ref).view(torch.uint8))
     assert after["fallbacks"] == before["fallbacks"], (before, after)
     assert q.shape == (32, 130) and q.dtype == FP8 and y.shape == (32, 128) and y.dtype == BF16
     torch.testing.assert_close(y.float(), x.float(), atol=0.2, rtol=0.1)
