@@ -507,6 +507,7 @@ Status Daemon::Snapshot(uint64_t session_id, std::string_view token, bool latenc
   out->calls = stats_.calls.load();
   out->errors = stats_.errors.load();
   out->sessions_closed = stats_.sessions_closed.load();
+  out->executor_threads = static_cast<uint32_t>(executor_->threads());
   if (store_) {
     out->store_entries = store_->entries();
     out->store_bytes = store_->used_bytes();
@@ -553,6 +554,7 @@ Status Daemon::Snapshot(uint64_t session_id, std::string_view token, bool latenc
     e.age_ms = MillisSince(s->opened_at());
     const int64_t last = s->last_call_ns.load(std::memory_order_relaxed);
     e.idle_ms = last > 0 ? static_cast<uint64_t>(std::max<int64_t>(now_ns - last, 0) / 1000000) : e.age_ms;
+    e.executor = ExecutorPool::Assigned(*s);
     out->sessions_detail.push_back(std::move(e));
   }
   if (!latency) return Status::Ok();

@@ -124,6 +124,7 @@ struct SessionStatsEntry {
   uint32_t ring_pending = 0;
   uint64_t idle_ms = 0;
   uint64_t age_ms = 0;
+  int32_t executor = -1;  // the executor thread serving it; -1 before its first call or ring
 };
 
 // One op overload through one transport (opd.proto OpStats).
@@ -148,6 +149,7 @@ struct StatsSnapshot {
   uint64_t store_entries = 0;  // the weight store (all 0 when it is off)
   uint64_t store_bytes = 0;
   uint64_t store_max_bytes = 0;
+  uint32_t executor_threads = 0;  // --executor-threads
   std::vector<SessionStatsEntry> sessions_detail;
   struct Stage {
     std::string name;

@@ -468,6 +468,7 @@ void PrintStatus(const DaemonAddress& addr, const StatusResult& r, std::ostream&
                                " closed; " + std::to_string(s.calls()) + " calls, " + std::to_string(s.errors()) +
                                " rejected; " + std::to_string(s.regions()) + " regions (" + Bytes(s.mapped_bytes()) +
                                ")"},
+              {"executors", std::to_string(s.executor_threads()) + " thread(s) polling the rings and launching"},
               {"metrics", v.metrics_address().empty() ? "off" : "http://" + v.metrics_address() + "/metrics"}},
              out);
 }
@@ -515,14 +516,15 @@ int RunSessions(const Args& a, Daemon& d, std::ostream& out, std::ostream& err) 
     return kExitOk;
   }
   std::vector<std::vector<std::string>> rows{
-      {"SESSION", "PID", "UID", "LANES", "RING", "CALLS", "ERRORS", "REGIONS", "MAPPED", "IDLE", "AGE", "COMMAND"}};
+      {"SESSION", "PID", "UID", "LANES", "RING", "EXEC", "CALLS", "ERRORS", "REGIONS", "MAPPED", "IDLE", "AGE",
+       "COMMAND"}};
   for (const v1::SessionStats& e : s.session()) {
     std::string command = e.command().empty() ? e.client_name() : e.command();
     if (command.size() > 60) command = command.substr(0, 57) + "...";
     rows.push_back({std::to_string(e.session_id()), e.bound() ? std::to_string(e.client_pid()) : "unbound",
                     e.bound() ? std::to_string(e.client_uid()) : "-", std::to_string(e.lanes()),
                     e.ring_slots() ? std::to_string(e.ring_pending()) + "/" + std::to_string(e.ring_slots()) : "-",
-                    std::to_string(e.calls()), std::to_string(e.errors()), std::to_string(e.regions()),
+                    e.executor() >= 0 ? std::to_string(e.executor()) : "-", std::to_string(e.calls()), std::to_string(e.errors()), std::to_string(e.regions()),
                     Bytes(e.mapped_bytes()), Seconds(e.idle_ms()), Seconds(e.age_ms()), command});
   }
   PrintTable(rows, out);

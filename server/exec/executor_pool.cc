@@ -54,6 +54,11 @@ int ExecutorPool::ExecutorOf(Session& session) {
   return v % kDropped;
 }
 
+int ExecutorPool::Assigned(const Session& session) {
+  const int v = session.executor_shard.load(std::memory_order_acquire);
+  return v == kUnassigned ? -1 : v % kDropped;
+}
+
 void ExecutorPool::Submit(const std::shared_ptr<Session>& session, CallRequest req, Executor::Completion done) {
   executors_[ExecutorOf(*session)]->Submit(session, std::move(req), std::move(done));
 }

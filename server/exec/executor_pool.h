@@ -77,6 +77,8 @@ class ExecutorPool {
   int threads() const { return static_cast<int>(executors_.size()); }
   // The executor serving `session` (assigning one if it has none yet).
   int ExecutorOf(Session& session);
+  // The executor serving `session`, or -1 when none is assigned yet.
+  static int Assigned(const Session& session);
   // The parking slots of executor `i`.
   int parking_slots(int i) const { return slots_[i]; }
 

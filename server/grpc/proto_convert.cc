@@ -67,6 +67,7 @@ void ToProto(const StatsSnapshot& in, v1::StatsReply* out) {
   out->set_store_entries(in.store_entries);
   out->set_store_bytes(in.store_bytes);
   out->set_max_store_bytes(in.store_max_bytes);
+  out->set_executor_threads(in.executor_threads);
   for (const SessionStatsEntry& e : in.sessions_detail) {
     v1::SessionStats* s = out->add_session();
     s->set_session_id(e.session_id);
@@ -85,6 +86,7 @@ void ToProto(const StatsSnapshot& in, v1::StatsReply* out) {
     s->set_ring_pending(e.ring_pending);
     s->set_idle_ms(e.idle_ms);
     s->set_age_ms(e.age_ms);
+    s->set_executor(e.executor);
   }
   for (const OpStatsEntry& e : in.ops) {
     v1::OpStats* o = out->add_ops();

@@ -158,6 +158,19 @@ class MetricsExporter::Collector {
                          static_cast<double>(g.store_bytes)));
     out.push_back(Single("cache_dit_opd_store_max_bytes", "The weight store's limit, --max-store-bytes (0: off)",
                          gauge, static_cast<double>(g.store_max_bytes)));
+    out.push_back(Single("cache_dit_opd_executor_threads",
+                         "Executor threads polling the call rings and launching (--executor-threads)", gauge,
+                         static_cast<double>(g.executor_threads)));
+    MetricFamily per_executor =
+        Family("cache_dit_opd_executor_sessions", "Open sessions served by each executor thread", MetricType::Gauge);
+    std::vector<uint64_t> served(g.executor_threads, 0);
+    for (const SessionStatsEntry& s : g.sessions_detail) {
+      if (s.executor >= 0 && static_cast<size_t>(s.executor) < served.size()) ++served[s.executor];
+    }
+    for (size_t e = 0; e < served.size(); ++e) {
+      AddGauge(per_executor, static_cast<double>(served[e]), {{"executor", std::to_string(e)}});
+    }
+    out.push_back(std::move(per_executor));
     out.push_back(Single("cache_dit_opd_sessions_closed_total", "Sessions ended since start (closed, dead or dropped)",
                          MetricType::Counter, static_cast<double>(g.sessions_closed)));
     out.push_back(Single("process_cpu_seconds_total", "User and system CPU time of the daemon", MetricType::Counter,

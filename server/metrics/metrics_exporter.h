@@ -27,6 +27,9 @@
 //       of every session, records published and not yet taken
 //   cache_dit_opd_store_entries, _store_bytes, _store_max_bytes                   gauges: the weight store
 //       (server/store/weight_store.h; all 0 when it is off)
+//   cache_dit_opd_executor_threads                                                 gauge: --executor-threads
+//   cache_dit_opd_executor_sessions{executor}                                      gauge: open sessions each
+//       executor thread serves (a session counts once its first call or ring picked one)
 //   cache_dit_opd_sessions_closed_total                                            counter
 //   process_cpu_seconds_total, process_resident_memory_bytes, process_start_time_seconds
 //

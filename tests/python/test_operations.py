@@ -273,6 +273,33 @@ def test_opdctl_sessions_and_stats_json(metrics_daemon):
         p.close()
 
 
+def test_which_executor_serves_each_session_is_shown_by_opdctl_and_the_metrics():
+    """--executor-threads 2, three sessions that call and one that does not: opdctl and /metrics show the
+    threads, the executor of each session that called (spread: 0, 1, 0) and none for the one that did not."""
+    port = free_port()
+    d = fx.daemon(None, "--executor-threads", "2", "--metrics-address", f"127.0.0.1:{port}")
+    p = Peer(d)
+    try:
+        callers = [p.bound(client_name=f"exec-{i}") for i in range(3)]
+        for r in callers:  # one after another: each first call picks the executor with the fewest sessions
+            p.call(r, args=p.quant_args(r))
+        idle = p.bound(client_name="exec-idle")
+        j = opdctl_json("--address", str(d.socket), "sessions")
+        executor = {s["session_id"]: s["executor"] for s in j["sessions"]}
+        assert [executor[r.session_id] for r in callers] == [0, 1, 0], j
+        assert executor[idle.session_id] == -1
+        assert opdctl_json("--address", str(d.socket), "stats")["stats"]["executor_threads"] == 2
+        human = opdctl("--address", str(d.socket), "status")
+        assert human.returncode == 0 and "2 thread(s)" in human.stdout, human.stdout
+        m = scrape(port)
+        assert sample(m, "cache_dit_opd_executor_threads") == 2
+        assert sample(m, "cache_dit_opd_executor_sessions", executor="0") == 2
+        assert sample(m, "cache_dit_opd_executor_sessions", executor="1") == 1
+    finally:
+        p.close()
+        d.stop()
+
+
 def _open_to_everyone(d) -> None:
     """Lets another uid reach the sockets, so that only the daemon's own check can refuse it."""
     os.chmod(d.workdir, 0o755)
