@@ -1,10 +1,11 @@
 // File: server/exec/executor.h
 //
-// The per-device executor: one thread that owns every CUDA launch of the
-// daemon. Transports (the gRPC Call handler and the shared-memory call ring,
-// both through Daemon::Call) hand it a transport-neutral CallRequest plus a
-// completion callback; the same path decodes, validates, dispatches and
-// completes every call. A ring record too malformed to decode still names
+// An executor: one thread that owns every CUDA launch of the sessions it
+// serves (the daemon's executors: server/exec/executor_pool.h). Transports
+// (the gRPC Call handler and the shared-memory call ring, both through
+// Daemon::Call) hand it a transport-neutral CallRequest plus a completion
+// callback; the same path decodes, validates, dispatches and completes
+// every call. A ring record too malformed to decode still names
 // its lane and seq: SubmitRejected keeps that seq's "done" in order.
 //
 // Ordering (docs/DESIGN.md section 1):

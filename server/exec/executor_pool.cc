@@ -1,5 +1,6 @@
 #include "server/exec/executor_pool.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -12,7 +13,7 @@ constexpr int kUnassigned = -1;
 constexpr int kDropped = 1 << 8;
 static_assert(ExecutorPool::kMaxThreads <= kDropped);
 
-int Clamped(int threads) { return threads < 1 ? 1 : (threads > ExecutorPool::kMaxThreads ? ExecutorPool::kMaxThreads : threads); }
+int Clamped(int threads) { return std::clamp(threads, 1, ExecutorPool::kMaxThreads); }
 }  // namespace
 
 ExecutorPool::ExecutorPool(DeviceOps* device, CallRunner* runner, DaemonStats* stats, ExecutorOptions options,
