@@ -38,12 +38,21 @@
 //              as one cuStreamBatchMemOp, an event record, and a whole call
 //              (wait, launch, the two "done" writes) each way.
 //
+//   threads [N]  Whether the driver's enqueue path scales across host
+//              threads of one context (what more executor threads,
+//              --executor-threads, can buy): for T = 1, 2, 4 and 8 threads,
+//              each with its own stream and pinned "done" words, all
+//              starting together, N calls each of what an executor enqueues
+//              per call (a tiny kernel launch and one cuStreamBatchMemOp of
+//              two 64-bit writes); prints the aggregate calls/s and each
+//              thread's host time per call.
+//
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs, which is the
 // third fact (PROBE_LAZY=1 stream_queues isolation 8 9 1 never returns).
 //
 // Build: nvcc -O2 -arch=sm_90a -o stream_queues stream_queues.cu -lcuda
-// Run:   stream_queues isolation C S K | timeline [N] | hostcost [N]
+// Run:   stream_queues isolation C S K | timeline [N] | hostcost [N] | threads [N]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -434,6 +443,78 @@ static int HostCost(int n) {
   return 0;
 }
 
+static int Threads(int n) {
+  using Clock = std::chrono::steady_clock;
+  CK(cudaSetDevice(0));
+  CK(cudaFree(nullptr));
+  constexpr int kMaxThreads = 8;
+  struct Lane {
+    cudaStream_t s;
+    int* counter;
+    void* page;
+    CUdeviceptr words;
+  };
+  std::vector<Lane> lanes(kMaxThreads);
+  for (Lane& l : lanes) {
+    CK(cudaStreamCreateWithFlags(&l.s, cudaStreamNonBlocking));
+    CK(cudaMalloc(&l.counter, sizeof(int)));
+    if (posix_memalign(&l.page, 4096, 4096) != 0) return 1;
+    std::memset(l.page, 0, 4096);
+    l.words = MapHost(l.page, 4096);
+  }
+  auto call = [](Lane& l, uint64_t v) {
+    Touch<<<1, 32, 0, l.s>>>(l.counter);
+    CUstreamBatchMemOpParams ops[2] = {};
+    for (int i = 0; i < 2; ++i) {
+      ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      ops[i].writeValue.address = l.words + 64 * i;
+      ops[i].writeValue.value64 = v;
+      ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(l.s), 2, ops, 0));
+  };
+  for (Lane& l : lanes) {  // warm up every stream
+    for (int i = 0; i < 256; ++i) call(l, i + 1);
+  }
+  CK(cudaDeviceSynchronize());
+  for (int threads : {1, 2, 4, 8}) {
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    std::vector<double> us(threads, 0);
+    std::vector<std::thread> pool;
+    const auto start = [&] {
+      while (ready.load() < threads) std::this_thread::yield();
+      go.store(true);
+      return Clock::now();
+    };
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        CK(cudaSetDevice(0));
+        Lane& l = lanes[t];
+        ready.fetch_add(1);
+        while (!go.load()) {
+        }
+        const auto t0 = Clock::now();
+        for (int i = 0; i < n; ++i) {
+          call(l, i + 1);
+          // The GPU drains as it goes; a full stream queue would time the queue, not the host.
+          if (i % 512 == 511) CK(cudaStreamSynchronize(l.s));
+        }
+        us[t] = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / n;
+      });
+    }
+    const auto t0 = start();
+    for (std::thread& th : pool) th.join();
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    CK(cudaDeviceSynchronize());
+    double worst = 0;
+    for (double u : us) worst = std::max(worst, u);
+    std::printf("threads %d: %.0f calls/s in all, host time per call %.2f us (slowest thread)\n", threads,
+                threads * static_cast<double>(n) / secs, worst);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Lazy module loading would load a kernel at its first launch, which can
@@ -445,7 +526,9 @@ int main(int argc, char** argv) {
   }
   if (argc >= 2 && std::strcmp(argv[1], "timeline") == 0) return Timeline(argc >= 3 ? std::atoi(argv[2]) : 128);
   if (argc >= 2 && std::strcmp(argv[1], "hostcost") == 0) return HostCost(argc >= 3 ? std::atoi(argv[2]) : 20000);
-  std::fprintf(stderr, "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS] | hostcost [N]\n",
+  if (argc >= 2 && std::strcmp(argv[1], "threads") == 0) return Threads(argc >= 3 ? std::atoi(argv[2]) : 20000);
+  std::fprintf(stderr,
+               "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS] | hostcost [N] | threads [N]\n",
                argv[0]);
   return 2;
 }
