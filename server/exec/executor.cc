@@ -179,8 +179,6 @@ void Executor::DropSession(const std::shared_ptr<Session>& session, Status reaso
   }
 }
 
-void Executor::DropAll(Status reason) { DropSession(nullptr, std::move(reason), nullptr); }
-
 void Executor::AddRing(std::shared_ptr<CallSource> source) {
   {
     std::lock_guard<std::mutex> lock(mu_);

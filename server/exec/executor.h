@@ -198,9 +198,6 @@ class Executor {
   // inputs_ready would otherwise let them run on inputs never written).
   void DropSession(const std::shared_ptr<Session>& session, Status reason, std::function<void()> then);
 
-  // Drops every queued call of every session (drain deadline).
-  void DropAll(Status reason);
-
   // Executor::AddRing
   //
   // The executor's thread polls `source` from now on, until it is finished

@@ -83,10 +83,6 @@ void ExecutorPool::AddRing(const std::shared_ptr<Session>& session, std::shared_
   executors_[ExecutorOf(*session)]->AddRing(std::move(source));
 }
 
-void ExecutorPool::DropAll(const Status& reason) {
-  for (auto& e : executors_) e->DropAll(reason);
-}
-
 size_t ExecutorPool::pending() const {
   size_t n = 0;
   for (const auto& e : executors_) n += e->pending();

@@ -66,9 +66,6 @@ class ExecutorPool {
   // `source` is `session`'s call ring.
   void AddRing(const std::shared_ptr<Session>& session, std::shared_ptr<CallSource> source);
 
-  // Executor::DropAll on each.
-  void DropAll(const Status& reason);
-
   // Sums and "any" over the executors.
   size_t pending() const;
   size_t parked() const;
