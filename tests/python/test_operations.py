@@ -49,12 +49,9 @@ def free_port() -> int:
 
 
 def opdctl(*args, user: int | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
-    def drop():
-        os.setgid(user)
-        os.setuid(user)
-
+    """``user``: run it as that uid (and gid), set by subprocess in the child without running Python there."""
     return subprocess.run([opdctl_path(), *args], capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=drop if user is not None else None)
+                          user=user, group=user)
 
 
 def opdctl_json(*args, expect_rc: int = 0):
