@@ -40,19 +40,19 @@ void ExecutorPool::Stop() {
 }
 
 int ExecutorPool::ExecutorOf(Session& session) {
-  int v = session.executor_shard.load(std::memory_order_acquire);
-  if (v != kUnassigned) return v % kDropped;
+  if (const int assigned = Assigned(session); assigned >= 0) return assigned;
   int best = 0;
   for (int i = 1; i < threads(); ++i) {
     if (live_[i].load(std::memory_order_relaxed) < live_[best].load(std::memory_order_relaxed)) best = i;
   }
   // Two first calls may race (a ring record and a gRPC call, or a call and
   // the session's end): one assignment wins and both use it.
-  if (session.executor_shard.compare_exchange_strong(v, best, std::memory_order_acq_rel)) {
+  int unassigned = kUnassigned;
+  if (session.executor_shard.compare_exchange_strong(unassigned, best, std::memory_order_acq_rel)) {
     live_[best].fetch_add(1, std::memory_order_relaxed);
     return best;
   }
-  return v % kDropped;
+  return Assigned(session);
 }
 
 int ExecutorPool::Assigned(const Session& session) {
