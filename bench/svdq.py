@@ -8,6 +8,11 @@ shape. Rates are 2 M N K per second of each; the ratio column divides the BF16 l
 W4A4 linear's. Operands are random (packed bytes, scales): times do not depend on values.
 
     python bench/svdq.py --lib build/kernels/libcache_dit_cuda_ops.so [--json out.json] [--quick]
+                         [--schedules sm90-multicast,sm90-persistent,sm90-multicast-persistent]
+
+On sm 9.0 it also times the GEMM under each other launch schedule of the sm_90a kernel
+(``CACHE_DIT_SVDQ_GEMM``, read once per process: one child process each, same inputs by seed) and prints
+each one's speed over the default schedule's, measured in this run.
 
 The kernel library is loaded in this process (in-process numbers). The same linear through the daemon,
 against in-process in the same run: the ``svdq`` case of the orchestrated suite (``bench/run.sh --only
@@ -19,7 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -139,6 +148,49 @@ def case(ops, m: int, k: int, n: int, iters: int) -> dict:
     }
 
 
+SCHEDULES = ["sm90-multicast", "sm90-persistent", "sm90-multicast-persistent"]
+
+
+def gemm_times(ops, shape_list: list[tuple[int, int, int]], iters: int) -> list[float]:
+    """Device seconds of the GEMM alone at each shape (the quantizer runs once first, so the GEMM reads real
+    codes)."""
+    out = []
+    for m, k, n in shape_list:
+        quant, gemm = linear_calls(ops, inputs(m, k, n))
+        quant()
+        out.append(device_time(gemm, iters))
+    return out
+
+
+def schedule_rows(lib: Path, rows: list[dict], iters: int, schedules: list[str]) -> None:
+    """Adds r["schedules"][name] = {"gemm_us", "tflops", "vs_default"} to each row: the GEMM timed in a child
+    process with CACHE_DIT_SVDQ_GEMM=name, against the row's own (default schedule) GEMM time."""
+    shape_list = [(r["m"], r["k"], r["n"]) for r in rows]
+    for name in schedules:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "times.json"
+            subprocess.run([sys.executable, __file__, "--lib", str(lib), "--iters", str(iters), "--gemm-only",
+                            json.dumps(shape_list), "--json", str(out)],
+                           check=True, env=dict(os.environ, CACHE_DIT_SVDQ_GEMM=name))
+            times = json.loads(out.read_text())
+        for r, t in zip(rows, times):
+            r.setdefault("schedules", {})[name] = {
+                "gemm_us": t * 1e6, "tflops": 2 * r["m"] * r["n"] * r["k"] / t / 1e12,
+                "vs_default": r["us"]["gemm"] / (t * 1e6)}
+
+
+def schedule_table(rows: list[dict]) -> str:
+    names = sorted({name for r in rows for name in r.get("schedules", {})}, key=SCHEDULES.index)
+    if not names:
+        return ""
+    lines = ["| M | K | N | default GEMM us | " + " | ".join(f"{n} us (x default)" for n in names) + " |",
+             "|" + " --- |" * (4 + len(names))]
+    for r in rows:
+        cells = [f"{r['schedules'][n]['gemm_us']:.1f} ({r['schedules'][n]['vs_default']:.2f})" for n in names]
+        lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {r['us']['gemm']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| M | K | N | W4A4 linear us (quant + GEMM) | W4A4 TFLOP/s | GEMM only TFLOP/s | BF16 TFLOP/s | "
             "FP8 TFLOP/s | INT8 TFLOP/s | x BF16 | x FP8 |")
@@ -157,12 +209,23 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--schedules", default=None,
+                   help="comma-separated CACHE_DIT_SVDQ_GEMM schedules to time against the default "
+                        "(default: all of them on sm 9.0, none elsewhere; '' for none)")
+    p.add_argument("--gemm-only", default=None, help=argparse.SUPPRESS)  # a child: JSON [(M, K, N)] -> times
     a = p.parse_args()
     torch.ops.load_library(str(a.lib))
     ops = torch.ops.cache_dit_cuda_ops
+    if a.gemm_only is not None:
+        a.json.write_text(json.dumps(gemm_times(ops, [tuple(s) for s in json.loads(a.gemm_only)], a.iters)))
+        return
     rows = [case(ops, m, k, n, a.iters) for m, k, n in shapes(a.quick)]
+    schedules = a.schedules.split(",") if a.schedules is not None else (
+        SCHEDULES if torch.cuda.get_device_capability() == (9, 0) else [])
+    schedule_rows(a.lib, rows, a.iters, [s for s in schedules if s])
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(table(rows))
+    print(schedule_table(rows))
     if a.json:
         a.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                       "rows": rows}, indent=1))

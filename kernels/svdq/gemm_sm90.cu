@@ -13,6 +13,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "kernels/common/cuda_utils.cuh"
@@ -75,6 +76,31 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// Arrives on the barrier at the same shared offset in cluster CTA `cta`
+// (this CTA's own when cta is its rank). The default .release.cta order is
+// enough, as for the local arrive: what it releases is this warp's reads of
+// the stage by MMAs already waited for. (.release.cluster costs a
+// MEMBAR.ALL.GPU per arrive in the SASS.)
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+      " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_u32(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster: what each did before (barrier
+// initialization) is seen by all after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
@@ -91,6 +117,17 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
           smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// The same copy into the same shared offset of every CTA in `cta_mask`,
+// each CTA's barrier at `bar`'s offset counting the bytes that land there.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                                      int c1, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
 }
 
@@ -182,7 +219,15 @@ __device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const 
 
 #endif  // CACHE_DIT_SVDQ_WGMMA_BODY
 
-template <typename T, typename Out>
+// kCluster 1: one CTA per 128 x 128 tile. kCluster 2: clusters of two CTAs
+// on neighbouring column tiles of the same rows, each copying half of the
+// shared activation tile to both (TMA multicast), so a CTA reads 24 KB of a
+// stage from L2 instead of 32. Each CTA works through units u = its
+// cluster's index + j x (clusters launched): one launch covers every unit
+// once (j = 0 only) or, persistent, takes one cluster per SM pair and walks
+// the units, its ring running on into the next unit while the consumers
+// finish the last (the producer is ahead by up to kStages stages).
+template <typename T, typename Out, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tm_act, const __grid_constant__ CUtensorMap tm_wgt,
                 const __grid_constant__ CUtensorMap tm_as, const __grid_constant__ CUtensorMap tm_ws,
@@ -193,68 +238,108 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Aligned by pointer arithmetic on the shared array (not through an
   // integer), so the compiler still knows the scales are shared memory and
   // reads them with LDS; generic loads cost the rescale its latency (ncu).
+  // The offset is the same in every CTA, as multicast copies need.
   Smem& s = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
-  const int n0 = blockIdx.x * kBN, m0 = blockIdx.y * kBM;
   const int k_stages = k_dim / kBK, groups = k_dim / 64;
+  // Units: kCluster column tiles of one 128-row band, column units fastest
+  // (the order of the non-cluster 2-D grid this replaced).
+  const int n_units = n_cols / (kBN * kCluster);
+  const int units = n_units * ((m_pad + kBM - 1) / kBM);
+  const int crank = kCluster > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int first_unit = static_cast<int>(blockIdx.x) / kCluster, unit_step = static_cast<int>(gridDim.x) / kCluster;
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], 8);
+      mbar_init(&s.empty[i], 8 * kCluster);  // the consumer warps of every CTA the stage's copies reach
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) {
+    cluster_sync();  // the other CTA's barriers exist before anything lands on them
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {  // producer: one thread issues every copy
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
-      for (int st = 0; st < k_stages; ++st) {
-        const int i = st % kStages;
-        mbar_wait(&s.empty[i], ((st / kStages) & 1) ^ 1);  // the first round passes at once
-        mbar_expect_tx(&s.full[i], kStageTxBytes);
-        tma_load_2d(s.a[i], &tm_act, &s.full[i], st * kBK, m0);
-        tma_load_2d(s.b[i], &tm_wgt, &s.full[i], st * kBK, n0);
-        tma_load_2d(s.ws[i], &tm_ws, &s.full[i], 0, blockIdx.x * groups + 2 * st);
-        tma_load_2d(s.as[i], &tm_as, &s.full[i], m0, 2 * st);
+      int it = 0;  // stages issued so far, over every unit
+      for (int u = first_unit; u < units; u += unit_step) {
+        const int n0 = ((u % n_units) * kCluster + crank) * kBN, m0 = u / n_units * kBM;
+        for (int st = 0; st < k_stages; ++st, ++it) {
+          const int i = it % kStages;
+          mbar_wait(&s.empty[i], ((it / kStages) & 1) ^ 1);  // the first round passes at once
+          mbar_expect_tx(&s.full[i], kStageTxBytes);
+          if constexpr (kCluster > 1) {
+            // This CTA's share of the activation rows, to every CTA of the cluster.
+            constexpr int kRows = kBM / kCluster;
+            tma_load_2d_multicast(s.a[i] + crank * kRows * kBK, &tm_act, &s.full[i], st * kBK, m0 + crank * kRows,
+                                  static_cast<uint16_t>((1u << kCluster) - 1));
+          } else {
+            tma_load_2d(s.a[i], &tm_act, &s.full[i], st * kBK, m0);
+          }
+          tma_load_2d(s.b[i], &tm_wgt, &s.full[i], st * kBK, n0);
+          tma_load_2d(s.ws[i], &tm_ws, &s.full[i], 0, n0 / kBN * groups + 2 * st);
+          tma_load_2d(s.as[i], &tm_as, &s.full[i], m0, 2 * st);
+        }
+      }
+      // Clusters: the CTA stays until every consumer warp of the cluster is
+      // done with the last kStages stages, so no arrival from the other CTA
+      // is still on its way to this one's barriers when it exits (the
+      // copies into it are done: its own consumers waited for them).
+      for (int j = 0; kCluster > 1 && j < kStages; ++j, ++it) {
+        mbar_wait(&s.empty[it % kStages], ((it / kStages) & 1) ^ 1);
       }
     }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int wg_row = (wg - 1) * 64;  // this warpgroup's rows within the tile
-  const uint64_t desc_a = sw128_desc(smem_u32(s.a[0]) + wg_row * kBK), desc_b = sw128_desc(smem_u32(s.b[0]));
-  float acc[64], d[64];
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int wg_row = (wg - 1) * 64;  // this warpgroup's rows within the tile
+    const uint64_t desc_a = sw128_desc(smem_u32(s.a[0]) + wg_row * kBK), desc_b = sw128_desc(smem_u32(s.b[0]));
+    float acc[64], d[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = d[i] = 0.f;
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
 
-  // Per group: two k32 MMAs into d, wait, rescale into acc. The other
-  // warpgroup's MMAs keep the tensor cores busy while this one rescales.
-  // (Measured on the H200: issuing both groups of a stage before one wait,
-  // in a 256-thread block where thread 0 also loads, is 10-25% slower; named
-  // barriers that make the two warpgroups take turns issuing change nothing
-  // beyond run-to-run noise: the bound is the consumer warps' issue slots,
-  // docs/DESIGN.md section 8.)
-  for (int st = 0; st < k_stages; ++st) {
-    const int i = st % kStages;
-    mbar_wait(&s.full[i], (st / kStages) & 1);
+    int it = 0;
+    for (int u = first_unit; u < units; u += unit_step) {
+      const int n0 = ((u % n_units) * kCluster + crank) * kBN, m0 = u / n_units * kBM;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      issue_group(d, desc_a, desc_b, i, half);
-      const float2 as = act_scales<T>(s, i, half, wg_row, lane);
-      wgmma_wait<0>();
-      fence_acc(d);
-      rescale(acc, d, s, i, half, as, lane);
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      // Per group: two k32 MMAs into d, wait, rescale into acc. The other
+      // warpgroup's MMAs keep the tensor cores busy while this one rescales.
+      // (Measured on the H200: issuing both groups of a stage before one wait,
+      // in a 256-thread block where thread 0 also loads, is 10-25% slower; named
+      // barriers that make the two warpgroups take turns issuing change nothing
+      // beyond run-to-run noise: the bound is the consumer warps' issue slots,
+      // docs/DESIGN.md section 8.)
+      for (int st = 0; st < k_stages; ++st, ++it) {
+        const int i = it % kStages;
+        mbar_wait(&s.full[i], (it / kStages) & 1);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          issue_group(d, desc_a, desc_b, i, half);
+          const float2 as = act_scales<T>(s, i, half, wg_row, lane);
+          wgmma_wait<0>();
+          fence_acc(d);
+          rescale(acc, d, s, i, half, as, lane);
+        }
+        __syncwarp();
+        if (lane == 0) {
+          if constexpr (kCluster > 1) {
+#pragma unroll
+            for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(&s.empty[i], c);
+          } else {
+            mbar_arrive(&s.empty[i]);
+          }
+        }
+      }
+
+      // Row g (+ 8) of this warp.
+      const int64_t row0 = m0 + wg_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
+      epilogue<T, Out>(acc, bias, lora_act, up, out, row0, n0, m_pad, n_cols, rank, lane);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&s.empty[i]);
   }
-
-  // Row g (+ 8) of this warp.
-  const int64_t row0 = m0 + wg_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
-  epilogue<T, Out>(acc, bias, lora_act, up, out, row0, n0, m_pad, n_cols, rank, lane);
 #else
   __trap();  // never launched: the host takes this path only where the sm_90a image exists
 #endif
@@ -322,7 +407,7 @@ bool usable(const at::Tensor& act) {
 template <typename T, typename Out>
 void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
           const std::optional<at::Tensor>& lora_act, const std::optional<at::Tensor>& lora_up,
-          const std::optional<at::Tensor>& bias, Out* out) {
+          const std::optional<at::Tensor>& bias, Out* out, Schedule schedule) {
   const int64_t m_pad = act.size(0), k = act.size(1), n = wgt.size(0), groups = k / 64;
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -337,33 +422,57 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
       reinterpret_cast<const T*>(wscales.data_ptr()), static_cast<float*>(ws32.data_ptr()), groups * n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  const CUtensorMap tm_act = tensor_map(act.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, m_pad, kBK, kBM,
-                                        CU_TENSOR_MAP_SWIZZLE_128B);
+  // Two-CTA clusters pair neighbouring column tiles, so N / 128 must be even.
+  const int cluster = schedule.multicast && (n / kBN) % 2 == 0 ? 2 : 1;
+  const CUtensorMap tm_act = tensor_map(act.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, m_pad, kBK,
+                                        kBM / cluster, CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap tm_wgt = tensor_map(wq8.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, n, kBK, kBN,
                                         CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap tm_as = tensor_map(ascales.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, m_pad, groups, kBM, 2,
                                        CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kBN, groups * n / kBN,
                                        kBN, 2, CU_TENSOR_MAP_SWIZZLE_NONE);
-  const dim3 grid(static_cast<unsigned>(n / kBN), static_cast<unsigned>(cuda::ceil_div(m_pad, kBM)));
-  auto* kernel = gemm_kernel<T, Out>;
-  static std::once_flag once;  // one per instantiation
-  std::call_once(once, [&] {
+  auto* kernel = cluster == 2 ? gemm_kernel<T, Out, 2> : gemm_kernel<T, Out, 1>;
+  static std::once_flag once[2];  // per instantiation
+  std::call_once(once[cluster - 1], [&] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmemBytes)));
   });
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(
-      tm_act, tm_wgt, tm_as, tm_ws, lora_act ? static_cast<const float*>(lora_act->data_ptr()) : nullptr,
-      lora_up ? reinterpret_cast<const T*>(lora_up->data_ptr()) : nullptr,
-      bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr, out, static_cast<int>(m_pad),
-      static_cast<int>(n), static_cast<int>(k), static_cast<int>(rank));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = cluster > 1 ? 1 : 0;  // the default launch stays a plain one
+  // One cluster per unit, or (persistent) as many as the device holds at
+  // once (one CTA per SM), each walking the units (the kernel's comment).
+  int64_t clusters = n / (kBN * cluster) * cuda::ceil_div(m_pad, kBM);
+  if (schedule.persistent) {
+    int resident = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    if (cluster > 1) {
+      config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
+    }
+    clusters = std::min<int64_t>(clusters, std::max(resident, 1));
+  }
+  config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tm_act, tm_wgt, tm_as, tm_ws,
+                                    lora_act ? static_cast<const float*>(lora_act->data_ptr()) : nullptr,
+                                    lora_up ? reinterpret_cast<const T*>(lora_up->data_ptr()) : nullptr,
+                                    bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr, out,
+                                    static_cast<int>(m_pad), static_cast<int>(n), static_cast<int>(k),
+                                    static_cast<int>(rank)));
 }
 
 #define CACHE_DIT_SVDQ_SM90_GEMM(T, Out)                                                                        \
   template void gemm<T, Out>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,     \
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,              \
-                             const std::optional<at::Tensor>&, Out*);
+                             const std::optional<at::Tensor>&, Out*, Schedule);
 CACHE_DIT_SVDQ_SM90_GEMM(__half, __half)
 CACHE_DIT_SVDQ_SM90_GEMM(__half, __nv_bfloat16)
 CACHE_DIT_SVDQ_SM90_GEMM(__half, float)

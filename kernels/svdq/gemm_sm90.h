@@ -28,6 +28,19 @@
 
 namespace cache_dit::svdq::sm90 {
 
+// How the kernel is launched (CACHE_DIT_SVDQ_GEMM, kernels/svdq/svdq.cu):
+// the default is neither; each is a schedule measured against it
+// (docs/DESIGN.md section 8). The results are the same bit for bit.
+struct Schedule {
+  // Clusters of two CTAs on neighbouring column tiles share the activation
+  // tile (each copies half to both with TMA multicast): a quarter less L2
+  // traffic per MMA. Taken only where N / 128 is even.
+  bool multicast = false;
+  // One CTA (cluster) per SM (pair) walking the tiles, its copies running
+  // ahead into the next tile during the epilogue, instead of one per tile.
+  bool persistent = false;
+};
+
 // Whether this build has the sm_90a kernel and `act`'s device can run it
 // (sm 9.0; M_pad a multiple of 8, for the TMA row stride of ascales; K > 0).
 // Every operand is 16-byte aligned already (check_gemm).
@@ -39,6 +52,6 @@ bool usable(const at::Tensor& act);
 template <typename T, typename Out>
 void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascales, const at::Tensor& wscales,
           const std::optional<at::Tensor>& lora_act, const std::optional<at::Tensor>& lora_up,
-          const std::optional<at::Tensor>& bias, Out* out);
+          const std::optional<at::Tensor>& bias, Out* out, Schedule schedule = {});
 
 }  // namespace cache_dit::svdq::sm90

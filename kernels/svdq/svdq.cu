@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/ops.h"
@@ -366,16 +367,25 @@ void dispatch_half(at::ScalarType t, F&& f) {
 // CACHE_DIT_SVDQ_GEMM (read once): "portable" sends every GEMM to the
 // portable kernel, "int4" to the INT4 mma.sync one wherever that runs (on
 // sm_90 too, where the instruction is emulated: slow, but exact), so one GPU
-// can check each path against the others.
-enum class GemmPath { kAuto, kPortable, kInt4 };
-GemmPath forced_gemm_path() {
-  static const GemmPath path = [] {
-    const char* v = std::getenv("CACHE_DIT_SVDQ_GEMM");
-    if (v != nullptr && std::strcmp(v, "portable") == 0) return GemmPath::kPortable;
-    if (v != nullptr && std::strcmp(v, "int4") == 0) return GemmPath::kInt4;
-    return GemmPath::kAuto;
+// can check each path against the others; "sm90-multicast",
+// "sm90-persistent" and "sm90-multicast-persistent" launch the sm_90a
+// kernel with another schedule (sm90::Schedule), to be measured against the
+// default.
+struct GemmChoice {
+  enum class Path { kAuto, kPortable, kInt4 } path = Path::kAuto;
+  sm90::Schedule schedule;
+};
+GemmChoice forced_gemm_path() {
+  static const GemmChoice choice = [] {
+    GemmChoice c;
+    const std::string v = std::getenv("CACHE_DIT_SVDQ_GEMM") ? std::getenv("CACHE_DIT_SVDQ_GEMM") : "";
+    if (v == "portable") c.path = GemmChoice::Path::kPortable;
+    if (v == "int4") c.path = GemmChoice::Path::kInt4;
+    c.schedule.multicast = v == "sm90-multicast" || v == "sm90-multicast-persistent";
+    c.schedule.persistent = v == "sm90-persistent" || v == "sm90-multicast-persistent";
+    return c;
   }();
-  return path;
+  return choice;
 }
 
 template <typename T>
@@ -469,9 +479,10 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   if (m_pad == 0) return;
   const c10::cuda::CUDAGuard guard(act.device());
-  const GemmPath forced = forced_gemm_path();
-  const bool wgmma = forced == GemmPath::kAuto && sm90::usable(act);
-  const bool mma_s4 = forced != GemmPath::kPortable && !wgmma && int4::usable(act, forced == GemmPath::kInt4);
+  const GemmChoice forced = forced_gemm_path();
+  using Path = GemmChoice::Path;
+  const bool wgmma = forced.path == Path::kAuto && sm90::usable(act);
+  const bool mma_s4 = forced.path != Path::kPortable && !wgmma && int4::usable(act, forced.path == Path::kInt4);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 block(16, 16);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, 16)), static_cast<unsigned>(cuda::ceil_div(m_pad, 16)));
@@ -480,7 +491,7 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
     auto launch = [&](auto* o) {
       using Out = std::remove_pointer_t<decltype(o)>;
       if (wgmma) {
-        sm90::gemm<T, Out>(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, o);
+        sm90::gemm<T, Out>(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, o, forced.schedule);
         return;
       }
       if (mma_s4) {

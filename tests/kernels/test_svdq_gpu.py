@@ -146,6 +146,30 @@ def test_gemm_without_lora_is_bit_exact(ops, out_dtype, m, n, k, pad):
     assert_bitwise(y[:m], want.to(DEV))
 
 
+def _gemms_in_child(tmp_path, path, cases):
+    """_gemm of each (x, ckpt, out_dtype, lora, pad_size) in a child process with CACHE_DIT_SVDQ_GEMM=path (read
+    once per process), outputs on the CPU."""
+    torch.save(cases, tmp_path / "in.pt")
+    child = f"""
+import sys, torch
+sys.path[:0] = {sys.path!r}
+torch.ops.load_library({str(library_path())!r})
+import test_svdq_gpu as t
+ops = torch.ops.cache_dit_cuda_ops
+ys = [t._gemm(ops, x, {{k: v.to("cuda") for k, v in ckpt.items()}}, out_dtype, lora, pad).cpu()
+      for x, ckpt, out_dtype, lora, pad in torch.load({str(tmp_path / "in.pt")!r})]
+torch.save(ys, {str(tmp_path / "out.pt")!r})
+"""
+    env = dict(os.environ, CACHE_DIT_SVDQ_GEMM=path, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", child], check=True, env=env, cwd=os.path.dirname(__file__))
+    return torch.load(tmp_path / "out.pt")
+
+
+def _gemms_here(ops, cases):
+    return [_gemm(ops, x, {key: t.to(DEV) for key, t in ckpt.items()}, out_dtype, lora, pad).cpu()
+            for x, ckpt, out_dtype, lora, pad in cases]
+
+
 @pytest.mark.parametrize("path", ["portable", "int4"])
 def test_the_other_gemm_paths_equal_this_one(ops, tmp_path, path):
     """CACHE_DIT_SVDQ_GEMM=portable | int4 (in a child process: the CUDA-core kernel, or the INT4 mma.sync one,
@@ -153,28 +177,35 @@ def test_the_other_gemm_paths_equal_this_one(ops, tmp_path, path):
     rounding with it (the paths sum R in different orders)."""
     torch.manual_seed(0)
     x, ckpt = _layer(BF16, 640, 256, 1024, r=32, seed=5)
-    torch.save({"x": x, "ckpt": ckpt}, tmp_path / "in.pt")
-    child = f"""
-import sys, torch
-sys.path[:0] = {sys.path!r}
-torch.ops.load_library({str(library_path())!r})
-import test_svdq_gpu as t
-d = torch.load({str(tmp_path / "in.pt")!r})
-ops = torch.ops.cache_dit_cuda_ops
-dev = {{k: v.to("cuda") for k, v in d["ckpt"].items()}}
-ys = [t._gemm(ops, d["x"], dev, torch.float32, lora).cpu() for lora in (False, True)]
-torch.save(ys, {str(tmp_path / "out.pt")!r})
-"""
-    env = dict(os.environ, CACHE_DIT_SVDQ_GEMM=path, PYTHONPATH=os.pathsep.join(sys.path))
-    subprocess.run([sys.executable, "-c", child], check=True, env=env, cwd=os.path.dirname(__file__))
-    other = torch.load(tmp_path / "out.pt")
-    dev = {key: t.to(DEV) for key, t in ckpt.items()}
-    mine = [_gemm(ops, x, dev, F32, lora).cpu() for lora in (False, True)]
+    cases = [(x, ckpt, F32, lora, 256) for lora in (False, True)]
+    other = _gemms_in_child(tmp_path, path, cases)
+    mine = _gemms_here(ops, cases)
     assert_bitwise(mine[0], other[0])
     t = sq.unpack_linear(ckpt)
     lora_mag = (x.double().abs() @ t["down"].double().abs().t()) @ t["up"].double().abs().t()
     bound = lora_mag * 64 * EPS32 + 1e-6
     assert torch.all((mine[1][:640].double() - other[1][:640].double()).abs() <= bound)
+
+
+@pytest.mark.parametrize("schedule", ["sm90-multicast", "sm90-persistent", "sm90-multicast-persistent"])
+def test_the_sm90_schedules_equal_the_default_bit_for_bit(ops, tmp_path, schedule):
+    """The sm_90a kernel launched with another schedule (kernels/svdq/gemm_sm90.h: two-CTA clusters sharing
+    the activation tile, and/or persistent CTAs walking the tiles) gives the default's bits, LoRA included
+    (same epilogue). Shapes: 2048 x 2048 is 256 tiles (128 two-CTA units), more than the H200 holds at
+    once, so a persistent CTA takes several and its ring runs on from one tile into the next; 300 rows
+    padded to 304 end in a partial row tile; N = 384 is an odd number of column tiles, where multicast
+    falls back to single CTAs."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the schedules are the sm_90a kernel's")
+    cases = []
+    for m, n, k, pad, out_dtype, seed in [(2048, 2048, 256, 256, F32, 1), (300, 256, 384, 8, BF16, 2),
+                                          (640, 384, 1024, 256, F32, 3)]:
+        x, ckpt = _layer(BF16, m, n, k, r=32, seed=seed)
+        cases += [(x, ckpt, out_dtype, lora, pad) for lora in (False, True)]
+    other = _gemms_in_child(tmp_path, schedule, cases)
+    mine = _gemms_here(ops, cases)
+    for a, b in zip(mine, other):
+        assert_bitwise(b, a)
 
 
 def test_accuracy_against_the_float_linear_improves_with_rank(ops):
