@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -448,10 +449,11 @@ class PreparedCallImpl final : public PreparedCall {
  public:
   // `nothing_to_write`: no written tensor has an element and the op's Meta
   // kernel checks it in Validate, so Run launches nothing.
-  PreparedCallImpl(std::string op_name, c10::OperatorHandle op, std::vector<c10::IValue> args,
+  PreparedCallImpl(std::string op_name, c10::OperatorHandle op, bool has_meta_kernel, std::vector<c10::IValue> args,
                    std::vector<uint64_t> regions, int device, bool meta, bool nothing_to_write)
       : op_name_(std::move(op_name)),
         op_(std::move(op)),
+        has_meta_kernel_(has_meta_kernel),
         args_(std::move(args)),
         regions_(std::move(regions)),
         device_(device),
@@ -462,7 +464,7 @@ class PreparedCallImpl final : public PreparedCall {
   const std::vector<uint64_t>& regions() const override { return regions_; }
 
   Status Validate() {
-    if (!op_.hasKernelForDispatchKey(c10::DispatchKey::Meta)) return Status::Ok();
+    if (!has_meta_kernel_) return Status::Ok();
     try {
       c10::InferenceMode inference;
       torch::jit::Stack stack = args_;
@@ -526,6 +528,7 @@ class PreparedCallImpl final : public PreparedCall {
  private:
   const std::string op_name_;
   const c10::OperatorHandle op_;
+  const bool has_meta_kernel_;
   const std::vector<c10::IValue> args_;
   const std::vector<uint64_t> regions_;
   const int device_;
@@ -534,6 +537,48 @@ class PreparedCallImpl final : public PreparedCall {
 };
 
 }  // namespace
+
+struct TorchCallRunner::OpTable {
+  struct Entry {
+    std::string overload;
+    c10::OperatorHandle handle;
+    std::string name;  // cache_dit_cuda_ops::<op>[.<overload>], as statuses name it
+    Status servable;   // CheckWritesOnly's verdict
+    bool has_meta_kernel;
+  };
+  // By op name without the namespace; an op has a handful of overloads.
+  std::unordered_map<std::string, std::vector<Entry>> by_op;
+
+  const Entry* Find(const std::string& op, const std::string& overload) const {
+    const auto it = by_op.find(op);
+    if (it == by_op.end()) return nullptr;
+    for (const Entry& e : it->second) {
+      if (e.overload == overload) return &e;
+    }
+    return nullptr;
+  }
+
+  static std::unique_ptr<const OpTable> Build() {
+    const std::string prefix = std::string(kNamespace) + "::";
+    c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+    auto table = std::make_unique<OpTable>();
+    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind(prefix, 0) != 0) continue;
+      const std::optional<c10::OperatorHandle> op = dispatcher.findSchema(name);
+      if (!op) continue;  // an impl without its def (ListOps)
+      std::string op_name = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
+      Status servable = CheckWritesOnly(op->schema(), op_name);
+      table->by_op[name.name.substr(prefix.size())].push_back(
+          {name.overload_name, *op, std::move(op_name), std::move(servable),
+           op->hasKernelForDispatchKey(c10::DispatchKey::Meta)});
+    }
+    return table;
+  }
+};
+
+TorchCallRunner::TorchCallRunner(Device device, int cuda_device) : device_(device), cuda_device_(cuda_device) {}
+
+TorchCallRunner::~TorchCallRunner() = default;
 
 std::vector<OpInfo> TorchCallRunner::ListOps() {
   const std::string prefix = std::string(kNamespace) + "::";
@@ -581,20 +626,30 @@ Status TorchCallRunner::Prepare(const CallRequest& req, const RegionResolver& re
 Status TorchCallRunner::PrepareUnclassified(const CallRequest& req, const RegionResolver& regions,
                                             std::unique_ptr<PreparedCall>* out) {
   const bool meta = device_ == Device::kMeta;
-  const std::string qualified = std::string(kNamespace) + "::" + req.op;
-  std::optional<c10::OperatorHandle> op =
-      c10::Dispatcher::singleton().findSchema({qualified, req.overload});
-  if (!op) return OpNotFound(qualified, req.overload);
-  const std::string op_name = req.overload.empty() ? qualified : qualified + "." + req.overload;
-  const c10::FunctionSchema& schema = op->schema();
-  OPD_RETURN_IF_ERROR(CheckWritesOnly(schema, op_name));
+  std::call_once(ops_once_, [this] { ops_ = OpTable::Build(); });
+  std::optional<c10::OperatorHandle> op;
+  std::string op_name;
+  bool has_meta_kernel = false;
+  if (const OpTable::Entry* known = ops_->Find(req.op, req.overload)) {
+    OPD_RETURN_IF_ERROR(known->servable);
+    op = known->handle;
+    op_name = known->name;
+    has_meta_kernel = known->has_meta_kernel;
+  } else {  // unknown, or registered after the table was taken
+    const std::string qualified = std::string(kNamespace) + "::" + req.op;
+    op = c10::Dispatcher::singleton().findSchema({qualified, req.overload});
+    if (!op) return OpNotFound(qualified, req.overload);
+    op_name = req.overload.empty() ? qualified : qualified + "." + req.overload;
+    OPD_RETURN_IF_ERROR(CheckWritesOnly(op->schema(), op_name));
+    has_meta_kernel = op->hasKernelForDispatchKey(c10::DispatchKey::Meta);
+  }
 
   std::vector<c10::IValue> args;
   ArgDecoder decoder(op_name, regions, meta, cuda_device_);
   try {
     // Inference tensors, to match the InferenceMode that RunCall runs in.
     c10::InferenceMode inference;
-    OPD_RETURN_IF_ERROR(decoder.Decode(schema, req.args, &args));
+    OPD_RETURN_IF_ERROR(decoder.Decode(op->schema(), req.args, &args));
   } catch (const c10::Error& e) {
     return Status::InvalidArgument(op_name, ": ", e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -604,9 +659,8 @@ Status TorchCallRunner::PrepareUnclassified(const CallRequest& req, const Region
   // A call that can write no element has nothing to launch; it is still
   // decoded, bounds-checked and (Validate) checked by the op's Meta kernel.
   // Without a Meta kernel its checks run only in Run, so it runs.
-  const bool nothing_to_write =
-      !decoder.writes_elements() && op->hasKernelForDispatchKey(c10::DispatchKey::Meta);
-  *out = std::make_unique<PreparedCallImpl>(op_name, std::move(*op), std::move(args),
+  const bool nothing_to_write = !decoder.writes_elements() && has_meta_kernel;
+  *out = std::make_unique<PreparedCallImpl>(std::move(op_name), std::move(*op), has_meta_kernel, std::move(args),
                                             decoder.TakeRegions(), device, meta, nothing_to_write);
   return Status::Ok();
 }

@@ -35,6 +35,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -52,8 +53,8 @@ class TorchCallRunner final : public CallRunner {
   enum class Device { kCuda, kMeta };
   // `cuda_device` (>= 0): the daemon's CUDA ordinal, where a call none of
   // whose tensors is in a region runs (its empty tensors live there).
-  explicit TorchCallRunner(Device device = Device::kCuda, int cuda_device = 0)
-      : device_(device), cuda_device_(cuda_device) {}
+  explicit TorchCallRunner(Device device = Device::kCuda, int cuda_device = 0);
+  ~TorchCallRunner() override;
 
   // Every op registered in namespace cache_dit_cuda_ops in this process, both
   // overloads, sorted by (name, overload).
@@ -84,11 +85,22 @@ class TorchCallRunner final : public CallRunner {
   Status Run(PreparedCall& call, void* stream, bool* sticky) override;
 
  private:
+  // What step 1 learns about an op once: its handle, its name, whether the
+  // daemon serves it and whether it has a Meta kernel. Taken at the first
+  // Prepare, when the daemon has loaded its libraries; an op registered
+  // later is looked up on each call instead. The handles stay valid because
+  // the daemon never unloads a library (LoadOpLibrary). Saves a fifth of
+  // Prepare + Validate + Run on meta tensors (1.06 -> 0.85 us per call on
+  // the 2-core development VM).
+  struct OpTable;
+
   Status PrepareUnclassified(const CallRequest& req, const RegionResolver& regions,
                              std::unique_ptr<PreparedCall>* out);
 
   const Device device_;
   const int cuda_device_;
+  std::once_flag ops_once_;
+  std::unique_ptr<const OpTable> ops_;
 };
 
 }  // namespace cache_dit_opd

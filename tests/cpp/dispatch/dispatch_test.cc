@@ -565,6 +565,43 @@ TEST(LoadOpLibraryTest, MissingFileNamesPathAndReason) {
   EXPECT_NE(status.message().find("/nonexistent/libnope.so"), std::string::npos);
 }
 
+// ---- ops the runner takes at its first call, and ops registered after it ------------
+
+// A runner takes the namespace's ops once, at its first Prepare (the daemon
+// has loaded its libraries by then); an op registered later is looked up on
+// each call: served, checked and refused the same way, and unknown again once
+// its registration is gone.
+TEST_F(DispatchTest, AnOpRegisteredAfterTheFirstCallIsServedAndCheckedTheSame) {
+  TorchCallRunner runner(TorchCallRunner::Device::kMeta);
+  std::unique_ptr<PreparedCall> call;
+  const CallRequest late = Call("_opd_test_late", "out", {View(kBig, 0, {4, 8}, DType::kFloat32),
+                                                          View(kBig, 4096, {4, 8}, DType::kFloat32)});
+  const CallRequest late_bad_rows = Call("_opd_test_late", "out", {View(kBig, 0, {4, 8}, DType::kFloat32),
+                                                                   View(kBig, 4096, {3, 8}, DType::kFloat32)});
+  const CallRequest late_functional = Call("_opd_test_late", "", {View(kBig, 0, {4, 8}, DType::kFloat32)});
+  ExpectError(runner.Prepare(late, regions_, &call), StatusCode::kNotFound, {"cache_dit_cuda_ops::_opd_test_late"});
+  {
+    torch::Library def(torch::Library::FRAGMENT, "cache_dit_cuda_ops", std::nullopt, __FILE__, __LINE__);
+    def.def("_opd_test_late.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)");
+    def.def("_opd_test_late(Tensor x) -> Tensor");
+    torch::Library meta(torch::Library::IMPL, "cache_dit_cuda_ops", c10::DispatchKey::Meta, __FILE__, __LINE__);
+    meta.impl("_opd_test_late.out", [](const at::Tensor& x, at::Tensor& out) -> at::Tensor& {
+      TORCH_CHECK(x.size(0) == out.size(0), "late: rows differ (", x.size(0), " vs ", out.size(0), ")");
+      return out;
+    });
+
+    ASSERT_TRUE(runner.Prepare(late, regions_, &call).ok());
+    EXPECT_EQ(call->op_name(), "cache_dit_cuda_ops::_opd_test_late.out");
+    EXPECT_TRUE(runner.Validate(*call).ok());
+    ASSERT_TRUE(runner.Prepare(late_bad_rows, regions_, &call).ok());
+    ExpectError(runner.Validate(*call), StatusCode::kInvalidArgument,
+                {"cache_dit_cuda_ops::_opd_test_late.out", "rows differ (4 vs 3)"});
+    ExpectError(runner.Prepare(late_functional, regions_, &call), StatusCode::kUnimplemented,
+                {"cache_dit_cuda_ops::_opd_test_late", "new tensor"});
+  }
+  ExpectError(runner.Prepare(late, regions_, &call), StatusCode::kNotFound, {"cache_dit_cuda_ops::_opd_test_late"});
+}
+
 // ---- every decodable schema type, on the test-only op -----------------------------
 
 class SchemaTypesTest : public DispatchTest {
