@@ -538,6 +538,9 @@ class PreparedCallImpl final : public PreparedCall {
 
 }  // namespace
 
+// Taken once instead of a dispatcher lookup, two name strings and a schema
+// walk per call: a fifth of Prepare + Validate + Run on meta tensors (1.06 ->
+// 0.85 us per call on the 2-core development VM).
 struct TorchCallRunner::OpTable {
   struct Entry {
     std::string overload;

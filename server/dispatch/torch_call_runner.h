@@ -89,9 +89,7 @@ class TorchCallRunner final : public CallRunner {
   // daemon serves it and whether it has a Meta kernel. Taken at the first
   // Prepare, when the daemon has loaded its libraries; an op registered
   // later is looked up on each call instead. The handles stay valid because
-  // the daemon never unloads a library (LoadOpLibrary). Saves a fifth of
-  // Prepare + Validate + Run on meta tensors (1.06 -> 0.85 us per call on
-  // the 2-core development VM).
+  // the daemon never unloads a library (LoadOpLibrary).
   struct OpTable;
 
   Status PrepareUnclassified(const CallRequest& req, const RegionResolver& regions,
