@@ -370,7 +370,7 @@ void dispatch_half(at::ScalarType t, F&& f) {
 // can check each path against the others; "sm90-multicast",
 // "sm90-persistent" and "sm90-multicast-persistent" launch the sm_90a
 // kernel with another schedule (sm90::Schedule), to be measured against the
-// default.
+// default ("sm90", or unset). Any other value warns once and is ignored.
 struct GemmChoice {
   enum class Path { kAuto, kPortable, kInt4 } path = Path::kAuto;
   sm90::Schedule schedule;
@@ -383,6 +383,11 @@ GemmChoice forced_gemm_path() {
     if (v == "int4") c.path = GemmChoice::Path::kInt4;
     c.schedule.multicast = v == "sm90-multicast" || v == "sm90-multicast-persistent";
     c.schedule.persistent = v == "sm90-persistent" || v == "sm90-multicast-persistent";
+    if (!v.empty() && v != "sm90" && c.path == GemmChoice::Path::kAuto && !c.schedule.multicast &&
+        !c.schedule.persistent) {
+      TORCH_WARN("CACHE_DIT_SVDQ_GEMM='", v, "' is not one of portable, int4, sm90, sm90-multicast, ",
+                 "sm90-persistent, sm90-multicast-persistent; ignored");
+    }
     return c;
   }();
   return choice;
