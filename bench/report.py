@@ -604,33 +604,48 @@ def scaling_section(res) -> list[str]:
     if not isinstance(sc, dict):
         return ["*not run*"]
     p = sc.get("params", {})
+    # Runs before GetStats had executor_busy_ns render as they did.
+    busy = any(q.get("executor_busy_pct") for q in scaling_points(res) + executor_points(res))
     out = [f"Each process calls one op in a loop for {p.get('window_s', '?')} s (all start together), then "
            "synchronizes; calls/s = all calls / time until the last synchronize returned. Daemon CPU: utime + stime "
-           "over the window, % of one core.", ""]
+           "over the window, % of one core." + (
+               " Executor busy: each executor thread's time in passes that did work (GetStats), % of the window "
+               "(near 100%: the executor thread is the bound)." if busy else ""), ""]
     rows = []
     for bound in ("kernel", "launch"):
         base = scaling_baseline(res, bound)
         if base:
             rows.append([f"{bound}-bound ({SHORT.get(base['op'], base['op'])}, {base['shape']})", "in-process", "1",
-                         f"{base['calls_per_s']:.0f}", "100%", "-"])
+                         f"{base['calls_per_s']:.0f}", "100%", "-", *_busy({}, busy)])
         for pt in (q for q in scaling_points(res) if q["bound"] == bound):
             rows.append([f"{bound}-bound ({SHORT.get(pt['op'], pt['op'])}, {pt['shape']})",
                          MODE_NAMES.get(pt["mode"], pt["mode"]), str(pt["procs"]), f"{pt['calls_per_s']:.0f}",
-                         _f(pt["ratio"], "{:.0%}"), _f(pt.get("daemon_cpu_pct"), "{:.0f}%")])
+                         _f(pt["ratio"], "{:.0%}"), _f(pt.get("daemon_cpu_pct"), "{:.0f}%"), *_busy(pt, busy)])
     for pt in (q for q in scaling_points(res) if q["bound"] == "idle"):
         rows.append(["idle (sessions open, no calls)", MODE_NAMES.get(pt["mode"], pt["mode"]), str(pt["procs"]), "0",
-                     "-", _f(pt.get("daemon_cpu_pct"), "{:.1f}%")])
-    out += _table(["load", "mode", "processes", "calls/s", "vs 1 in-process", "daemon CPU"], rows, "llrrrr")
+                     "-", _f(pt.get("daemon_cpu_pct"), "{:.1f}%"), *_busy(pt, busy)])
+    out += _table(["load", "mode", "processes", "calls/s", "vs 1 in-process", "daemon CPU",
+                   *(["executor busy"] if busy else [])], rows, "llrrrr" + "r" * busy)
     points = executor_points(res)
     if len(points) > 1:
         p0 = points[0]
         out += ["", f"Executor threads (`--executor-threads`): the launch-bound load of {p0['procs']} processes, "
                 "ring async, on a daemon with each count (the run's own daemon and one started for each other "
                 "count, in the same run).", ""]
-        out += _table(["executor threads", "calls/s", "vs 1 in-process", "daemon CPU"],
+        out += _table(["executor threads", "calls/s", "vs 1 in-process", "daemon CPU",
+                       *(["executor busy"] if busy else [])],
                       [[str(p["threads"]), f"{p['calls_per_s']:.0f}", _f(p["ratio"], "{:.0%}"),
-                        _f(p.get("daemon_cpu_pct"), "{:.0f}%")] for p in points], "rrrr")
+                        _f(p.get("daemon_cpu_pct"), "{:.0f}%"), *_busy(p, busy)] for p in points], "rrrr" + "r" * busy)
     return out
+
+
+def _busy(point: dict, column: bool) -> list[str]:
+    """The executor-busy cell when the table has that column: each executor thread's busy share of the window,
+    "97%" or "95% / 91%", "-" when not measured."""
+    if not column:
+        return []
+    pct = point.get("executor_busy_pct")
+    return [" / ".join(f"{b:.0f}%" for b in pct) if pct else "-"]
 
 
 def regions_section(res) -> list[str]:

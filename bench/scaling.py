@@ -5,7 +5,9 @@ every process calls one op in a loop for a fixed window, all starting at the
 same instant, then synchronizes. Aggregate calls/s = all calls / (time until
 the last process's synchronize returned), so calls queued on the GPU at the
 end of the window count only once they ran. The baseline is one in-process
-caller running the same loop. The daemon's CPU use is utime + stime from
+caller running the same loop. Each executor thread's busy share of the window (GetStats'
+executor_busy_ns: passes that did work, not idle polling) tells whether the executors are the bound. The
+daemon's CPU use is utime + stime from
 /proc/<daemon pid>/stat over the window, in % of one core.
 
 Two loads: kernel-bound (the Wan per-rank merge, ~80 us of kernel) and
@@ -144,13 +146,14 @@ def run_phase(r, d: Path, i: int, ph: dict, children: list, window: float, ready
     t0 = time.monotonic() + START_MARGIN_S
     write_json(d / f"go.{i}", {"t0": t0})
     sleep_until(t0)
-    c0 = r.daemon.cpu_seconds()
+    c0, b0 = r.daemon.cpu_seconds(), r.daemon.executor_busy_ns()
     sleep_until(t0 + window)
-    c1 = r.daemon.cpu_seconds()
+    c1, b1 = r.daemon.cpu_seconds(), r.daemon.executor_busy_ns()
     wait_files(d, f"result.{i}", children, window + 90)
     rows = [json.loads((d / f"result.{i}.{k}").read_text()) for k in range(len(children))]
     cpu = None if c0 is None or c1 is None else c1 - c0
-    return aggregate(ph, rows, t0, window, cpu)
+    busy = None if not b0 or not b1 or len(b0) != len(b1) else [(y - x) * 1e-9 for x, y in zip(b0, b1)]
+    return aggregate(ph, rows, t0, window, cpu, busy)
 
 
 def wait_files(d: Path, prefix: str, children: list, timeout: float) -> None:
@@ -185,11 +188,15 @@ def finish(r, children: list) -> list[dict]:
     return out
 
 
-def aggregate(ph: dict, rows: list[dict], t0: float, window: float, cpu_s: float | None) -> dict:
+def aggregate(ph: dict, rows: list[dict], t0: float, window: float, cpu_s: float | None,
+              busy_s: list[float] | None = None) -> dict:
+    """One phase's figures. ``busy_s``: each executor thread's busy time over the window (GetStats'
+    executor_busy_ns), reported as % of the window each: near 100% the executor threads are the bound."""
     errors = [row["error"] for row in rows if "error" in row]
     ok = [row for row in rows if "error" not in row]
     out = dict(ph, procs=len(rows), window_s=window, errors=errors,
-               daemon_cpu_pct=None if cpu_s is None else 100.0 * cpu_s / window)
+               daemon_cpu_pct=None if cpu_s is None else 100.0 * cpu_s / window,
+               executor_busy_pct=None if busy_s is None else [100.0 * b / window for b in busy_s])
     if not ok:
         return dict(out, error=errors[0] if errors else "no process reported")
     calls = sum(row["calls"] for row in ok)

@@ -508,6 +508,7 @@ Status Daemon::Snapshot(uint64_t session_id, std::string_view token, bool latenc
   out->errors = stats_.errors.load();
   out->sessions_closed = stats_.sessions_closed.load();
   out->executor_threads = static_cast<uint32_t>(executor_->threads());
+  out->executor_busy_ns = executor_->busy_ns();
   if (store_) {
     out->store_entries = store_->entries();
     out->store_bytes = store_->used_bytes();

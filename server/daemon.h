@@ -150,6 +150,7 @@ struct StatsSnapshot {
   uint64_t store_bytes = 0;
   uint64_t store_max_bytes = 0;
   uint32_t executor_threads = 0;  // --executor-threads
+  std::vector<uint64_t> executor_busy_ns;  // Executor::busy_ns of each executor thread
   std::vector<SessionStatsEntry> sessions_detail;
   struct Stage {
     std::string name;

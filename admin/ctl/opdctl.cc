@@ -452,6 +452,14 @@ void PrintStatus(const DaemonAddress& addr, const StatusResult& r, std::ostream&
   const v1::StatsReply& s = r.stats;
   std::string health = v.serving() ? "SERVING" : "NOT_SERVING (" + v1::Reason_Name(v.health_reason()) + ": " +
                                                      v.not_serving_reason() + ")";
+  // Each executor thread's busy time as a share of the daemon's uptime.
+  std::string executors = std::to_string(s.executor_threads()) + " thread(s) polling the rings and launching";
+  for (int e = 0; e < s.executor_busy_ns_size() && v.uptime_ms() > 0; ++e) {
+    char share[32];
+    std::snprintf(share, sizeof share, "%.1f%%", 100.0 * static_cast<double>(s.executor_busy_ns(e)) * 1e-6 /
+                                                     static_cast<double>(v.uptime_ms()));
+    executors += (e == 0 ? "; busy since start: " : ", ") + std::string(share);
+  }
   std::string gpu = v.gpu_uuid().empty() ? "none"
                                          : v.gpu_uuid() + " " + v.gpu_name() + " (device " +
                                                std::to_string(v.device_index()) + ")";
@@ -468,7 +476,7 @@ void PrintStatus(const DaemonAddress& addr, const StatusResult& r, std::ostream&
                                " closed; " + std::to_string(s.calls()) + " calls, " + std::to_string(s.errors()) +
                                " rejected; " + std::to_string(s.regions()) + " regions (" + Bytes(s.mapped_bytes()) +
                                ")"},
-              {"executors", std::to_string(s.executor_threads()) + " thread(s) polling the rings and launching"},
+              {"executors", executors},
               {"metrics", v.metrics_address().empty() ? "off" : "http://" + v.metrics_address() + "/metrics"}},
              out);
 }

@@ -552,6 +552,7 @@ void Executor::Loop() {
   auto spin_until = Clock::now() + options_.spin;
   std::chrono::microseconds backoff{0};
   while (true) {
+    const Clock::time_point pass_start = Clock::now();
     // The rings first: what they decode is submitted to us (into intake_)
     // on this thread, and taken just below.
     bool progress = PollRings() > 0;
@@ -606,8 +607,13 @@ void Executor::Loop() {
     if (!parked_.empty()) ReapParked();
     if (Answer()) progress = true;
     if (progress) {
+      const Clock::time_point now = Clock::now();
+      // One writer: a plain store, no locked read-modify-write per pass.
+      busy_ns_.store(busy_ns_.load(std::memory_order_relaxed) +
+                         static_cast<uint64_t>(std::chrono::nanoseconds(now - pass_start).count()),
+                     std::memory_order_relaxed);
       backoff = std::chrono::microseconds{0};
-      spin_until = Clock::now() + options_.spin;
+      spin_until = now + options_.spin;
       continue;
     }
     // Spin while progress is recent: the next call of a busy client lands

@@ -218,6 +218,13 @@ class Executor {
   // Lanes holding a parking slot (as of the executor's last look).
   size_t parked() const { return parked_count_.load(std::memory_order_acquire); }
   bool failed() const;
+  // Nanoseconds the thread has spent, since Start, in passes of its loop
+  // that did work (took a ring record or a submission, accepted, launched,
+  // completed or answered a call, ran a command); not in passes that found
+  // nothing (spinning on idle rings) nor asleep. Over a window, its growth
+  // divided by the window is how saturated the thread is (1: the executor
+  // is the bound).
+  uint64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
 
  private:
   // An item's place in its session's `held` count, from Enqueue until the
@@ -362,6 +369,7 @@ class Executor {
   std::map<Lane*, Parked> parked_;     // executor thread only
   std::vector<std::shared_ptr<CallSource>> rings_;  // executor thread only
   std::atomic<size_t> parked_count_{0};
+  std::atomic<uint64_t> busy_ns_{0};  // written by the executor thread only
   std::thread thread_;
 };
 

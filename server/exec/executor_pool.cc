@@ -95,6 +95,13 @@ size_t ExecutorPool::parked() const {
   return n;
 }
 
+std::vector<uint64_t> ExecutorPool::busy_ns() const {
+  std::vector<uint64_t> out;
+  out.reserve(executors_.size());
+  for (const auto& e : executors_) out.push_back(e->busy_ns());
+  return out;
+}
+
 bool ExecutorPool::failed() const {
   for (const auto& e : executors_) {
     if (e->failed()) return true;

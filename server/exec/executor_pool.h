@@ -70,6 +70,8 @@ class ExecutorPool {
   size_t pending() const;
   size_t parked() const;
   bool failed() const;
+  // Executor::busy_ns of each executor, by index.
+  std::vector<uint64_t> busy_ns() const;
 
   int threads() const { return static_cast<int>(executors_.size()); }
   // The executor serving `session` (assigning one if it has none yet).

@@ -68,6 +68,7 @@ void ToProto(const StatsSnapshot& in, v1::StatsReply* out) {
   out->set_store_bytes(in.store_bytes);
   out->set_max_store_bytes(in.store_max_bytes);
   out->set_executor_threads(in.executor_threads);
+  for (uint64_t ns : in.executor_busy_ns) out->add_executor_busy_ns(ns);
   for (const SessionStatsEntry& e : in.sessions_detail) {
     v1::SessionStats* s = out->add_session();
     s->set_session_id(e.session_id);

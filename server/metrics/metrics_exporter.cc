@@ -171,6 +171,14 @@ class MetricsExporter::Collector {
       AddGauge(per_executor, static_cast<double>(served[e]), {{"executor", std::to_string(e)}});
     }
     out.push_back(std::move(per_executor));
+    MetricFamily busy = Family("cache_dit_opd_executor_busy_seconds_total",
+                               "Time each executor thread spent in passes that did work (not idle polling or asleep); "
+                               "its rate is the thread's saturation",
+                               MetricType::Counter);
+    for (size_t e = 0; e < g.executor_busy_ns.size(); ++e) {
+      AddCounter(busy, static_cast<double>(g.executor_busy_ns[e]) * 1e-9, {{"executor", std::to_string(e)}});
+    }
+    out.push_back(std::move(busy));
     out.push_back(Single("cache_dit_opd_sessions_closed_total", "Sessions ended since start (closed, dead or dropped)",
                          MetricType::Counter, static_cast<double>(g.sessions_closed)));
     out.push_back(Single("process_cpu_seconds_total", "User and system CPU time of the daemon", MetricType::Counter,

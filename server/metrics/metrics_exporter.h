@@ -30,6 +30,8 @@
 //   cache_dit_opd_executor_threads                                                 gauge: --executor-threads
 //   cache_dit_opd_executor_sessions{executor}                                      gauge: open sessions each
 //       executor thread serves (a session counts once its first call or ring picked one)
+//   cache_dit_opd_executor_busy_seconds_total{executor}                            counter: time in passes
+//       that did work (server/exec/executor.h busy_ns); its rate is the thread's saturation
 //   cache_dit_opd_sessions_closed_total                                            counter
 //   process_cpu_seconds_total, process_resident_memory_bytes, process_start_time_seconds
 //

@@ -242,3 +242,22 @@ def test_executor_sweep_is_judged_at_its_best_count_within_the_cpu_bound_and_tab
     for g in sc["remote"].values():
         g["phases"] = [p for p in g["phases"] if p["bound"] != "launch"]
     assert verdicts(res)["scaling.executors"]["verdict"] == "no data"
+
+
+def test_executor_busy_is_a_column_only_in_runs_that_measured_it(res):
+    md = report.markdown(copy.deepcopy(res))  # a run from before GetStats had executor_busy_ns
+    assert "executor busy" not in md and "Executor busy" not in md
+    sc = res["cases"]["scaling"]
+    group = next(g for g in sc["remote"].values() if any(p["bound"] == "launch" for p in g["phases"]))
+    launch = next(p for p in group["phases"] if p["bound"] == "launch")
+    launch["executor_busy_pct"] = [97.4, 91.2]
+    md = report.markdown(copy.deepcopy(res))
+    assert "| daemon CPU | executor busy |" in md
+    line = next(x for x in md.splitlines() if x.startswith(f"| launch-bound") and f"| {launch['procs']} |" in x
+                and "97% / 91%" in x)
+    assert line.endswith("| 97% / 91% |"), line
+    # every other row of the table has the column too, "-" where nothing was measured (in-process: no daemon)
+    header = next(x for x in md.splitlines() if x.startswith("| load |"))
+    rows = [x for x in md.splitlines() if x.startswith(("| kernel-bound", "| launch-bound", "| idle"))]
+    assert rows and all(x.count("|") == header.count("|") for x in rows), rows
+    assert all(x.endswith("| - |") for x in rows if x.startswith("| kernel-bound")), rows

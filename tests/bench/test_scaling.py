@@ -59,8 +59,18 @@ def test_each_count_gets_a_daemon_of_its_own_and_the_runs_daemon_comes_back(tmp_
             assert (s["mode"], s["nprocs"], s["phases"], s["tag"]) == (scaling.CLIENT, 8, [scaling.SWEEP_LOAD],
                                                                          f"-executors-{t}")
         assert executor_threads_of(main.pid) == ["opd-exec"]  # one thread: the name alone
+        busy = main.executor_busy_ns()  # GetStats: one figure per executor thread
+        assert isinstance(busy, list) and len(busy) == 1 and busy[0] >= 0, busy
         out = scaling.executor_sweep(SimpleNamespace(daemon=main, tmp=tmp_path / "late", remaining=lambda: 10.0),
                                      8, [2], 1.0)
         assert out == {"2": {"status": "skipped", "error": "time budget spent"}}
     finally:
         main.kill()
+
+
+def test_a_phase_reports_each_executor_threads_busy_share_of_its_window():
+    rows = [{"calls": 10, "t_done": 2.0, "t_issue_end": 1.9}, {"calls": 30, "t_done": 1.5, "t_issue_end": 1.4}]
+    out = scaling.aggregate({"bound": "launch"}, rows, 0.0, 2.0, 1.0, [1.0, 0.5])
+    assert out["executor_busy_pct"] == [50.0, 25.0] and out["daemon_cpu_pct"] == 50.0
+    assert out["calls"] == 40 and out["calls_per_s"] == 20.0
+    assert scaling.aggregate({"bound": "launch"}, rows, 0.0, 2.0, None)["executor_busy_pct"] is None

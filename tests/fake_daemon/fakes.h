@@ -336,7 +336,8 @@ class FakePrepared : public PreparedCall {
 };
 
 // op "reject": Prepare fails INVALID_ARGUMENT. op "sticky": Run reports a
-// sticky error. Tensor args are resolved through the resolver (marks use).
+// sticky error. op "slow": Run takes 2 ms of the calling thread (a launch
+// that blocks). Tensor args are resolved through the resolver (marks use).
 class FakeRunner : public CallRunner {
  public:
   struct Ran {
@@ -370,6 +371,7 @@ class FakeRunner : public CallRunner {
       *sticky = true;
       return Status::Internal("fake illegal address");
     }
+    if (p.name == "slow") std::this_thread::sleep_for(std::chrono::milliseconds(2));
     Ran r{stream, p.lane, p.seq, p.name};
     auto record = [this, r] {
       std::lock_guard<std::mutex> lock(mu);

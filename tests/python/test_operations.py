@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import os
 import shutil
@@ -272,7 +273,9 @@ def test_opdctl_sessions_and_stats_json(metrics_daemon):
 
 def test_which_executor_serves_each_session_is_shown_by_opdctl_and_the_metrics():
     """--executor-threads 2, three sessions that call and one that does not: opdctl and /metrics show the
-    threads, the executor of each session that called (spread: 0, 1, 0) and none for the one that did not."""
+    threads, the executor of each session that called (spread: 0, 1, 0) and none for the one that did not,
+    and how long each thread has been busy (both served calls: both busy a while, and /metrics says the same
+    as GetStats)."""
     port = free_port()
     d = fx.daemon(None, "--executor-threads", "2", "--metrics-address", f"127.0.0.1:{port}")
     p = Peer(d)
@@ -285,13 +288,20 @@ def test_which_executor_serves_each_session_is_shown_by_opdctl_and_the_metrics()
         executor = {s["session_id"]: s["executor"] for s in j["sessions"]}
         assert [executor[r.session_id] for r in callers] == [0, 1, 0], j
         assert executor[idle.session_id] == -1
-        assert opdctl_json("--address", str(d.socket), "stats")["stats"]["executor_threads"] == 2
+        st = opdctl_json("--address", str(d.socket), "stats")["stats"]
+        assert st["executor_threads"] == 2
+        busy = st["executor_busy_ns"]
+        assert len(busy) == 2 and all(b > 0 for b in busy), busy
         human = opdctl("--address", str(d.socket), "status")
         assert human.returncode == 0 and "2 thread(s)" in human.stdout, human.stdout
+        assert re.search(r"busy since start: \d+\.\d%, \d+\.\d%", human.stdout), human.stdout
         m = scrape(port)
         assert sample(m, "cache_dit_opd_executor_threads") == 2
         assert sample(m, "cache_dit_opd_executor_sessions", executor="0") == 2
         assert sample(m, "cache_dit_opd_executor_sessions", executor="1") == 1
+        # The same counter, scraped later: at least where GetStats saw it (it never goes back).
+        for e in (0, 1):
+            assert sample(m, "cache_dit_opd_executor_busy_seconds_total", executor=str(e)) >= busy[e] * 1e-9 * 0.999
     finally:
         p.close()
         d.stop()

@@ -480,6 +480,23 @@ TEST_F(ExecutorTest, IdleAndWaitingDoNotBurnCpu) {
   EXPECT_LT(CpuSeconds() - t0, 0.03) << "executor kept spinning after its last call";
 }
 
+// busy_ns counts the passes that did work: at least the 10 slow launches'
+// 20 ms, and nothing while the thread only polls or sleeps.
+TEST_F(ExecutorTest, BusyTimeCountsWorkAndNotIdling) {
+  auto s = NewSession(1);
+  SetInputsReady(*s, 0, 10);
+  Results r;
+  const uint64_t before = executor_->busy_ns();
+  for (uint64_t seq = 1; seq <= 10; ++seq) executor_->Submit(s, Req(0, seq, "slow"), r.Slot(static_cast<int>(seq)));
+  ASSERT_TRUE(r.Wait(10));
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 10; }));
+  std::this_thread::sleep_for(20ms);  // past the spin window: the last pass that did work is over
+  const uint64_t worked = executor_->busy_ns();
+  EXPECT_GE(worked - before, uint64_t{20'000'000});
+  std::this_thread::sleep_for(100ms);  // spinning, then asleep: no work
+  EXPECT_EQ(executor_->busy_ns(), worked);
+}
+
 TEST_F(ExecutorTest, StopCompletesEverythingQueued) {
   auto s = NewSession(1);
   Results r;
