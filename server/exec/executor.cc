@@ -551,12 +551,14 @@ void Executor::Loop() {
   }
   auto spin_until = Clock::now() + options_.spin;
   std::chrono::microseconds backoff{0};
+  // Swapped with intake_ each pass and cleared, so both keep their capacity:
+  // a call's submission allocates no vector.
+  std::vector<Item> intake;
   while (true) {
     const Clock::time_point pass_start = Clock::now();
     // The rings first: what they decode is submitted to us (into intake_)
     // on this thread, and taken just below.
     bool progress = PollRings() > 0;
-    std::vector<Item> intake;
     std::vector<Command> commands;
     bool stopping = false;
     if (news_.load(std::memory_order_acquire)) {
@@ -581,6 +583,7 @@ void Executor::Loop() {
       }
       q.items.push_back(std::move(item));
     }
+    intake.clear();
     for (Command& c : commands) {
       Drop(c.session, c.reason);
       DropAwaiting(c.session, c.reason);
