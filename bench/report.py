@@ -610,7 +610,8 @@ def scaling_section(res) -> list[str]:
            "synchronizes; calls/s = all calls / time until the last synchronize returned. Daemon CPU: utime + stime "
            "over the window, % of one core." + (
                " Executor busy: each executor thread's time in passes that did work (GetStats), % of the window "
-               "(near 100%: the executor thread is the bound)." if busy else ""), ""]
+               "(near 100%: the executor thread is the bound), and all executors' busy time per call." if busy else ""),
+           ""]
     rows = []
     for bound in ("kernel", "launch"):
         base = scaling_baseline(res, bound)
@@ -645,7 +646,10 @@ def _busy(point: dict, column: bool) -> list[str]:
     if not column:
         return []
     pct = point.get("executor_busy_pct")
-    return [" / ".join(f"{b:.0f}%" for b in pct) if pct else "-"]
+    if not pct:
+        return ["-"]
+    per_call = point.get("executor_busy_us_per_call")
+    return [" / ".join(f"{b:.0f}%" for b in pct) + (f" ({per_call:.1f} us a call)" if per_call else "")]
 
 
 def regions_section(res) -> list[str]:

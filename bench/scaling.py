@@ -204,6 +204,9 @@ def aggregate(ph: dict, rows: list[dict], t0: float, window: float, cpu_s: float
     out.update(calls=calls, elapsed_s=elapsed, calls_per_s=calls / elapsed,
                drain_s=max(row["t_done"] for row in ok) - max(row["t_issue_end"] for row in ok),
                per_process_calls_per_s=[row["calls"] / (row["t_done"] - t0) for row in ok])
+    if busy_s is not None and calls:
+        # Executor time per call: the executors' busy rate over the call rate.
+        out["executor_busy_us_per_call"] = sum(busy_s) / window / out["calls_per_s"] * 1e6
     return out
 
 

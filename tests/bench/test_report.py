@@ -251,11 +251,12 @@ def test_executor_busy_is_a_column_only_in_runs_that_measured_it(res):
     group = next(g for g in sc["remote"].values() if any(p["bound"] == "launch" for p in g["phases"]))
     launch = next(p for p in group["phases"] if p["bound"] == "launch")
     launch["executor_busy_pct"] = [97.4, 91.2]
+    launch["executor_busy_us_per_call"] = 18.04
     md = report.markdown(copy.deepcopy(res))
     assert "| daemon CPU | executor busy |" in md
     line = next(x for x in md.splitlines() if x.startswith(f"| launch-bound") and f"| {launch['procs']} |" in x
                 and "97% / 91%" in x)
-    assert line.endswith("| 97% / 91% |"), line
+    assert line.endswith("| 97% / 91% (18.0 us a call) |"), line
     # every other row of the table has the column too, "-" where nothing was measured (in-process: no daemon)
     header = next(x for x in md.splitlines() if x.startswith("| load |"))
     rows = [x for x in md.splitlines() if x.startswith(("| kernel-bound", "| launch-bound", "| idle"))]

@@ -73,4 +73,5 @@ def test_a_phase_reports_each_executor_threads_busy_share_of_its_window():
     out = scaling.aggregate({"bound": "launch"}, rows, 0.0, 2.0, 1.0, [1.0, 0.5])
     assert out["executor_busy_pct"] == [50.0, 25.0] and out["daemon_cpu_pct"] == 50.0
     assert out["calls"] == 40 and out["calls_per_s"] == 20.0
+    assert abs(out["executor_busy_us_per_call"] - 1.5 / 2.0 / 20.0 * 1e6) < 1e-6  # 0.75 s busy a second, 20 calls
     assert scaling.aggregate({"bound": "launch"}, rows, 0.0, 2.0, None)["executor_busy_pct"] is None
