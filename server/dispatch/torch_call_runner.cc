@@ -536,6 +536,21 @@ class PreparedCallImpl final : public PreparedCall {
   const bool nothing_to_write_;
 };
 
+// Calls f(name, handle, short name) for every op with a schema in the
+// namespace: (cache_dit_cuda_ops::x, overload), its handle, "x". An impl can
+// be registered before (or without) its def; such a name has no schema to
+// serve and is skipped.
+template <typename F>
+void ForEachNamespaceOp(F&& f) {
+  const std::string prefix = std::string(kNamespace) + "::";
+  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind(prefix, 0) != 0) continue;
+    const std::optional<c10::OperatorHandle> op = dispatcher.findSchema(name);
+    if (op) f(name, *op, name.name.substr(prefix.size()));
+  }
+}
+
 }  // namespace
 
 // Taken once instead of a dispatcher lookup, two name strings and a schema
@@ -562,19 +577,13 @@ struct TorchCallRunner::OpTable {
   }
 
   static std::unique_ptr<const OpTable> Build() {
-    const std::string prefix = std::string(kNamespace) + "::";
-    c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
     auto table = std::make_unique<OpTable>();
-    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-      if (name.name.rfind(prefix, 0) != 0) continue;
-      const std::optional<c10::OperatorHandle> op = dispatcher.findSchema(name);
-      if (!op) continue;  // an impl without its def (ListOps)
+    ForEachNamespaceOp([&](const c10::OperatorName& name, const c10::OperatorHandle& op, std::string op_short) {
       std::string op_name = name.overload_name.empty() ? name.name : name.name + "." + name.overload_name;
-      Status servable = CheckWritesOnly(op->schema(), op_name);
-      table->by_op[name.name.substr(prefix.size())].push_back(
-          {name.overload_name, *op, std::move(op_name), std::move(servable),
-           op->hasKernelForDispatchKey(c10::DispatchKey::Meta)});
-    }
+      Status servable = CheckWritesOnly(op.schema(), op_name);
+      table->by_op[std::move(op_short)].push_back({name.overload_name, op, std::move(op_name), std::move(servable),
+                                                   op.hasKernelForDispatchKey(c10::DispatchKey::Meta)});
+    });
     return table;
   }
 };
@@ -584,18 +593,10 @@ TorchCallRunner::TorchCallRunner(Device device, int cuda_device) : device_(devic
 TorchCallRunner::~TorchCallRunner() = default;
 
 std::vector<OpInfo> TorchCallRunner::ListOps() {
-  const std::string prefix = std::string(kNamespace) + "::";
-  c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
   std::vector<OpInfo> ops;
-  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
-    if (name.name.rfind(prefix, 0) != 0) continue;
-    // An impl can be registered before (or without) its def; such a name has
-    // no schema to serve.
-    const std::optional<c10::OperatorHandle> op = dispatcher.findSchema(name);
-    if (!op) continue;
-    ops.push_back(
-        {name.name.substr(prefix.size()), name.overload_name, c10::toString(op->schema())});
-  }
+  ForEachNamespaceOp([&](const c10::OperatorName& name, const c10::OperatorHandle& op, std::string op_short) {
+    ops.push_back({std::move(op_short), name.overload_name, c10::toString(op.schema())});
+  });
   std::sort(ops.begin(), ops.end(), [](const OpInfo& a, const OpInfo& b) {
     return std::tie(a.name, a.overload) < std::tie(b.name, b.overload);
   });
