@@ -5,10 +5,10 @@ every process calls one op in a loop for a fixed window, all starting at the
 same instant, then synchronizes. Aggregate calls/s = all calls / (time until
 the last process's synchronize returned), so calls queued on the GPU at the
 end of the window count only once they ran. The baseline is one in-process
-caller running the same loop. Each executor thread's busy share of the window (GetStats'
-executor_busy_ns: passes that did work, not idle polling) tells whether the executors are the bound. The
-daemon's CPU use is utime + stime from
-/proc/<daemon pid>/stat over the window, in % of one core.
+caller running the same loop. The daemon's CPU use is utime + stime from
+/proc/<daemon pid>/stat over the window, in % of one core; each executor
+thread's busy share of the window (GetStats' executor_busy_ns: passes that did
+work, not idle polling) tells whether the executors are the bound.
 
 Two loads: kernel-bound (the Wan per-rank merge, ~80 us of kernel) and
 launch-bound (the FLUX per-rank per-token quant, a few us), then an idle

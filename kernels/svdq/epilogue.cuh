@@ -33,14 +33,13 @@ __device__ __forceinline__ void store2(Out* p, float x, float y) {
 // row0, row0 + 8; rows >= m_pad read as 0) in the model dtype, and its 16
 // bytes of proj_up's packed B fragments for each of the tile's eight
 // 16-channel groups (two m16n8k16 B fragments each).
-template <typename T>
 struct LoraTile {
   uint32_t a[4];
   uint4 b[8];
 };
 
 template <typename T>
-__device__ __forceinline__ LoraTile<T> load_lora_tile(const float* __restrict__ lora_act, const T* __restrict__ up,
+__device__ __forceinline__ LoraTile load_lora_tile(const float* __restrict__ lora_act, const T* __restrict__ up,
                                                       int64_t row0, int n0, int m_pad, int rank, int kr, int lane) {
   const int t = lane % 4;
   float2 x[4] = {};  // (row0, k 2t), (row0 + 8, k 2t), (row0, k 2t + 8), (row0 + 8, k 2t + 8)
@@ -49,7 +48,7 @@ __device__ __forceinline__ LoraTile<T> load_lora_tile(const float* __restrict__ 
     const int64_t row = row0 + (q % 2) * 8;
     if (row < m_pad) x[q] = *reinterpret_cast<const float2*>(lora_act + row * rank + kr * 16 + 2 * t + (q / 2) * 8);
   }
-  LoraTile<T> tile;
+  LoraTile tile;
 #pragma unroll
   for (int cc = 0; cc < 8; ++cc) {  // 16-channel tile cc: words (n_half, k_half) of lane's 16 bytes
     tile.b[cc] = *reinterpret_cast<const uint4*>(up + ((int64_t{n0} / 16 + cc) * (rank / 16) + kr) * 256 + lane * 8);
@@ -75,18 +74,14 @@ __device__ __forceinline__ void epilogue(float (&acc)[64], const T* __restrict__
                                          int rank, int lane) {
   const int t = lane % 4;
   const int rank_tiles = rank / 16;
-  LoraTile<T> tile;
+  LoraTile tile;
   if (rank_tiles > 0) tile = load_lora_tile<T>(lora_act, up, row0, n0, m_pad, rank, 0, lane);
   // Numerics unchanged: the bias first, then the rank tiles in order.
   if (bias != nullptr) {
-    uint2 braw[8];
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {  // packed: 4 values at (n0 / 128 * 32 + 4 jj + t) * 4
-      braw[jj] = *reinterpret_cast<const uint2*>(bias + (int64_t{n0} / 128 * 32 + jj * 4 + t) * 4);
-    }
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const T* b = reinterpret_cast<const T*>(&braw[jj]);
+      const uint2 raw = *reinterpret_cast<const uint2*>(bias + (int64_t{n0} / 128 * 32 + jj * 4 + t) * 4);
+      const T* b = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         const int i = jj * 8 + r;  // (2 jj + r / 4) * 4 + r % 4

@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "kernels/common/cuda_utils.cuh"
@@ -377,18 +376,19 @@ struct GemmChoice {
 };
 GemmChoice forced_gemm_path() {
   static const GemmChoice choice = [] {
-    GemmChoice c;
-    const std::string v = std::getenv("CACHE_DIT_SVDQ_GEMM") ? std::getenv("CACHE_DIT_SVDQ_GEMM") : "";
-    if (v == "portable") c.path = GemmChoice::Path::kPortable;
-    if (v == "int4") c.path = GemmChoice::Path::kInt4;
-    c.schedule.multicast = v == "sm90-multicast" || v == "sm90-multicast-persistent";
-    c.schedule.persistent = v == "sm90-persistent" || v == "sm90-multicast-persistent";
-    if (!v.empty() && v != "sm90" && c.path == GemmChoice::Path::kAuto && !c.schedule.multicast &&
-        !c.schedule.persistent) {
-      TORCH_WARN("CACHE_DIT_SVDQ_GEMM='", v, "' is not one of portable, int4, sm90, sm90-multicast, ",
-                 "sm90-persistent, sm90-multicast-persistent; ignored");
-    }
-    return c;
+    using Path = GemmChoice::Path;
+    const char* env = std::getenv("CACHE_DIT_SVDQ_GEMM");
+    const std::string v = env != nullptr ? env : "";
+    if (v.empty() || v == "sm90") return GemmChoice{};
+    if (v == "portable") return GemmChoice{Path::kPortable, {}};
+    if (v == "int4") return GemmChoice{Path::kInt4, {}};
+    // sm90::Schedule{multicast, persistent}
+    if (v == "sm90-multicast") return GemmChoice{Path::kAuto, {true, false}};
+    if (v == "sm90-persistent") return GemmChoice{Path::kAuto, {false, true}};
+    if (v == "sm90-multicast-persistent") return GemmChoice{Path::kAuto, {true, true}};
+    TORCH_WARN("CACHE_DIT_SVDQ_GEMM='", v, "' is not one of portable, int4, sm90, sm90-multicast, ",
+               "sm90-persistent, sm90-multicast-persistent; ignored");
+    return GemmChoice{};
   }();
   return choice;
 }
