@@ -1,13 +1,17 @@
 // File: kernels/common/cuda_utils.cuh
 //
 // Device helpers shared by the kernel families: 16-byte packs, dtype
-// conversions through fp32, a NaN-propagating max, and launch arithmetic.
+// conversions through fp32, a NaN-propagating max, launch arithmetic, and the
+// per-device opt-in to large dynamic shared memory.
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace cache_dit::cuda {
@@ -58,6 +62,21 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // scale and index work spread over more bytes; kernels/NOTES.md).
 inline int threads_per_row(int64_t units, int64_t per_thread) {
   return std::min(32, next_pow2(ceil_div(units, per_thread)));
+}
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (above the 48 KB
+// default) on the current device. The attribute belongs to the function in
+// one device's context: set on GPU 0 only, a launch on GPU 1 fails with
+// "invalid argument". `devices` is the call site's record of the devices that
+// have it (bit d: device d), so it is set once per device; devices from 64 on
+// set it every time. Setting it twice (two threads racing) is harmless.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel* kernel, int bytes, std::atomic<uint64_t>& devices) {
+  const int device = c10::cuda::current_device();
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (devices.load(std::memory_order_acquire) & bit) != 0) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  devices.fetch_or(bit, std::memory_order_release);
 }
 
 }  // namespace cache_dit::cuda

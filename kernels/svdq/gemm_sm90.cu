@@ -14,7 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <mutex>
+#include <atomic>
 
 #include "kernels/common/cuda_utils.cuh"
 #include "kernels/svdq/epilogue.cuh"
@@ -433,11 +433,8 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kBN, groups * n / kBN,
                                        kBN, 2, CU_TENSOR_MAP_SWIZZLE_NONE);
   auto* kernel = cluster == 2 ? gemm_kernel<T, Out, 2> : gemm_kernel<T, Out, 1>;
-  static std::once_flag once[2];  // per instantiation
-  std::call_once(once[cluster - 1], [&] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kSmemBytes)));
-  });
+  static std::atomic<uint64_t> devices[2]{};  // per instantiation and cluster size
+  cuda::allow_dynamic_smem(kernel, static_cast<int>(kSmemBytes), devices[cluster - 1]);
 
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute attribute{};
@@ -455,8 +452,16 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   if (schedule.persistent) {
     int resident = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     if (cluster > 1) {
-      config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
+      // Clusters the device holds at once: a property of kernel and device,
+      // asked once per device (0: not asked yet).
+      static std::atomic<int> resident_clusters[64]{};
+      const int device = c10::cuda::current_device();
+      resident = device < 64 ? resident_clusters[device].load(std::memory_order_relaxed) : 0;
+      if (resident == 0) {
+        config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
+        if (device < 64) resident_clusters[device].store(resident, std::memory_order_relaxed);
+      }
     }
     clusters = std::min<int64_t>(clusters, std::max(resident, 1));
   }

@@ -399,15 +399,12 @@ const T* ptr_or_null(const OptTensor& t) {
 }
 
 // The quantizer's instantiation, allowed its ring and smooth table (over
-// the 48 KB default) the first time it is taken.
+// the 48 KB default) on the current device.
 template <typename T, int kTiles>
 auto* quant_kernel() {
-  static auto* const kernel = [] {
-    auto* k = quantize_act_kernel<T, kTiles>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kQuantRingBytes + kMaxSplitGroups * 64 * sizeof(float))));
-    return k;
-  }();
+  static std::atomic<uint64_t> devices{0};
+  auto* kernel = quantize_act_kernel<T, kTiles>;
+  cuda::allow_dynamic_smem(kernel, static_cast<int>(kQuantRingBytes + kMaxSplitGroups * 64 * sizeof(float)), devices);
   return kernel;
 }
 
