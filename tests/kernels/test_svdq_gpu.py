@@ -208,6 +208,20 @@ def test_the_sm90_schedules_equal_the_default_bit_for_bit(ops, tmp_path, schedul
         assert_bitwise(b, a)
 
 
+def test_a_second_gpu_of_the_process_runs_them_with_the_same_bits(ops):
+    """The quantizer and the GEMM opt in to more than 48 KB of dynamic shared memory per device
+    (kernels/common/cuda_utils.cuh allow_dynamic_smem: the attribute lives in one device's context). After
+    running on GPU 0, the same process runs them on GPU 1, LoRA included, with GPU 0's bits."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    x, ckpt = _layer(BF16, 640, 256, 1024, r=32, seed=7)
+    ys = []
+    for device in (0, 1):
+        with torch.cuda.device(device):
+            ys.append(_gemm(ops, x, {key: t.to(DEV) for key, t in ckpt.items()}, BF16, lora=True).cpu())
+    assert_bitwise(ys[1], ys[0])
+
+
 def test_accuracy_against_the_float_linear_improves_with_rank(ops):
     """A linear whose weight has a strong low-rank part plus noise and whose input has outlier channels (what
     SVDQuant is for): the kernels' output against the float linear, at ranks 0, 16, 32."""
