@@ -335,8 +335,11 @@ __device__ __forceinline__ void store_smem_bytes(uint8_t* dst, uint64_t v, int n
 // storing records straight from registers needs 2- or 4-byte global stores
 // (rows are D + 2 or D + 4 bytes), which capped this op at ~50% of copy
 // bandwidth. Rows per tile: D <= 2048, so a tile is at most ~16 KiB of records.
-template <class Format, class RowMap, int CHUNKS, int ROWS, bool VECTOR>
-__global__ void __launch_bounds__(kThreads) fp8_quant_tile_kernel(const QuantParams p, const RowMap map) {
+//
+// MIN_BLOCKS: blocks per SM the registers must allow (0: no bound, ptxas
+// chooses; it takes 64 registers at D = 128, which caps the SM at 4 blocks).
+template <class Format, class RowMap, int CHUNKS, int ROWS, bool VECTOR, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) fp8_quant_tile_kernel(const QuantParams p, const RowMap map) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int tpr = 1 << p.log2_tpr;
   const int lane = threadIdx.x & (tpr - 1);
@@ -548,10 +551,15 @@ void launch_quant_tile(QuantParams p, int tpr, const RowMap& map, bool vector, c
   // + 16: the records sit at their global address mod 16.
   const size_t smem = static_cast<size_t>(rows_per_block * (p.D + Format::kScaleBytes)) + 16;
   const int64_t blocks = std::min<int64_t>(cuda::ceil_div(p.rows, rows_per_block), INT32_MAX);
+  // Six blocks per SM for the per-token records at four packs per thread:
+  // 40 registers, no spills, and at the Wan shapes 86% (per rank) and 99%
+  // (H = 40) of copy bandwidth against 78% and 86% at 64 registers and four
+  // blocks (kernels/NOTES.md, H200). The QKV records spill at that bound.
+  constexpr int kMinBlocks = std::is_same_v<Format, PerTokenFormat> && CHUNKS == 4 && ROWS == 1 ? 6 : 0;
   if (vector) {
-    fp8_quant_tile_kernel<Format, RowMap, CHUNKS, ROWS, true><<<blocks, kThreads, smem, stream>>>(p, map);
+    fp8_quant_tile_kernel<Format, RowMap, CHUNKS, ROWS, true, kMinBlocks><<<blocks, kThreads, smem, stream>>>(p, map);
   } else {
-    fp8_quant_tile_kernel<Format, RowMap, CHUNKS, ROWS, false><<<blocks, kThreads, smem, stream>>>(p, map);
+    fp8_quant_tile_kernel<Format, RowMap, CHUNKS, ROWS, false, 0><<<blocks, kThreads, smem, stream>>>(p, map);
   }
 }
 
