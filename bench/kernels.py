@@ -4,13 +4,6 @@ For every (op, shape): device time per call, bytes moved (each input read
 once, each output written once), achieved GB/s, the ratio to the
 device-to-device copy bandwidth measured in the same run, and the speed-up
 over the pure-PyTorch reference (kernels/reference.py) of the same math.
-Beside the copy, each op is set against a plain PyTorch elementwise kernel
-with its traffic shape at its size (``traffic_baseline``): a dtype conversion
-that reads and writes what the op reads and writes (1 : 2 for the
-dequantizers, 2 : 1 for the quantizers and the merge), timed the same way.
-What that kernel reaches is what an op of that shape and size can expect;
-the copy of 1 GiB, with reads equal to writes, is the yardstick of the
-targets.
 Times come from CUDA graphs of back-to-back calls over rotating input sets
 larger than L2, so they are device times, not launch overhead.
 
@@ -66,24 +59,6 @@ def copy_bandwidth(nbytes=1 << 30, reps=20):
     return 2 * nbytes / statistics.median(times)  # bytes read + written per second
 
 
-def traffic_baseline(read: int, written: int) -> tuple[str, float]:
-    """(name, bytes per second) of a PyTorch dtype conversion with the op's traffic shape and size: uint8 ->
-    bf16 (reads n, writes 2n) where the op writes about twice what it reads, bf16 -> uint8 where it reads about
-    twice what it writes, a uint8 copy otherwise; n from the op's smaller side, so the baseline moves about the
-    op's bytes. Timed like the ops (graphs over rotating sets larger than L2)."""
-    if written >= 1.5 * read:
-        name, n, src_dtype, dst_dtype = "u8->bf16", read, torch.uint8, BF16
-    elif read >= 1.5 * written:
-        name, n, src_dtype, dst_dtype = "bf16->u8", written, BF16, torch.uint8
-    else:
-        name, n, src_dtype, dst_dtype = "copy", (read + written) // 2, torch.uint8, torch.uint8
-    moved = n * (src_dtype.itemsize + dst_dtype.itemsize)
-    pairs = [(torch.zeros(n, dtype=src_dtype, device="cuda"), torch.empty(n, dtype=dst_dtype, device="cuda"))
-             for _ in range(max(2, math.ceil(4 * L2_BYTES / moved)))]
-    t = time_graph([lambda s=s, d=d: d.copy_(s) for s, d in pairs])
-    return name, moved / t
-
-
 def time_graph(fns, reps=7):
     """Median device time of one call, from graphs replaying every fn once."""
     s = torch.cuda.Stream()
@@ -116,8 +91,7 @@ def shape_key(model: str, per_rank: bool) -> str:
 
 
 def cases(ops, shapes=None):
-    """Yields (op, label, make_inputs, run_op, run_ref, (bytes read, bytes written)); shapes: keys (shape_key)
-    to keep, None: all."""
+    """Yields (op, label, make_inputs, run_op, run_ref, bytes_moved); shapes: keys (shape_key) to keep, None: all."""
     for model, S, H, per_rank in SHAPES:
         if shapes is not None and shape_key(model, per_rank) not in shapes:
             continue
@@ -134,19 +108,19 @@ def cases(ops, shapes=None):
         yield ("fused_merge_attn_states", tag, merge_inputs,
                lambda a: ops.fused_merge_attn_states(*a),
                lambda a: [t.to(d) for t, d in zip(ref.merge_attn_states(*a, compute_dtype=torch.float32), (BF16, torch.float32))],
-               (rows * D * 2 * 2 + rows * 4 * 2, rows * D * 2 + rows * 4))
+               rows * D * 2 * 3 + rows * 4 * 3)
 
         yield ("fp8_comm_per_token_quant", tag,
                lambda S=S, H=H: (torch.randn(1, S, H, D, device="cuda").to(BF16),),
                lambda a: ops.fp8_comm_per_token_quant(*a),
                lambda a: ref.per_token_quant(*a),
-               (rows * D * 2, rows * (D + 2)))
+               rows * D * 2 + rows * (D + 2))
 
         yield ("fp8_comm_per_token_dequant", tag,
                lambda S=S, H=H: (ref.per_token_quant(torch.randn(1, S, H, D, device="cuda").to(BF16)),),
                lambda a: ops.fp8_comm_per_token_dequant(*a),
                lambda a: ref.per_token_dequant(*a),
-               (rows * (D + 2), rows * D * 2))
+               rows * (D + 2) + rows * D * 2)
 
         if per_rank:  # the Ulysses all-to-all pair: send [B, S/W, W, H, D], receive [S, B, H, D+4]
             s_local = S // ULYSSES
@@ -155,13 +129,13 @@ def cases(ops, shapes=None):
                    lambda s_local=s_local, H=H: (torch.randn(1, s_local, ULYSSES, H, D, device="cuda").to(BF16),),
                    lambda a: ops.fp8_comm_qkv_permute_quant(*a),
                    lambda a: ref.qkv_permute_quant(*a),
-                   (qrows * D * 2, qrows * (D + 4)))
+                   qrows * D * 2 + qrows * (D + 4))
             yield ("fp8_comm_qkv_permute_dequant", f"{model} x=[{s_local * ULYSSES},1,{H},{D + 4}]",
                    lambda s_local=s_local, H=H: (ref.qkv_permute_quant(
                        torch.randn(1, s_local * ULYSSES, 1, H, D, device="cuda").to(BF16))[0],),
                    lambda a: ops.fp8_comm_qkv_permute_dequant(*a),
                    lambda a: ref.qkv_permute_dequant(*a),
-                   (qrows * (D + 4), qrows * D * 2))
+                   qrows * (D + 4) + qrows * D * 2)
 
 
 def run(lib: str, only: str | None = None, shapes=None):
@@ -169,24 +143,19 @@ def run(lib: str, only: str | None = None, shapes=None):
     ops = torch.ops.cache_dit_cuda_ops
     bw = copy_bandwidth()
     results = []
-    for op, label, make, run_op, run_ref, (read, written) in cases(ops, shapes):
+    for op, label, make, run_op, run_ref, nbytes in cases(ops, shapes):
         if only and only not in op:
             continue
-        nbytes = read + written
         sets = [make() for _ in range(max(2, math.ceil(4 * L2_BYTES / nbytes)))]
         t = time_graph([lambda a=a: run_op(a) for a in sets])
         t_ref = time_graph([lambda a=a: run_ref(a) for a in sets[:2]], reps=3)
         gbps = nbytes / t / 1e9
-        del sets
-        torch.cuda.empty_cache()
-        base_name, base_bw = traffic_baseline(read, written)
         results.append({
             "op": op, "shape": label, "time_us": t * 1e6, "bytes": nbytes, "gb_per_s": gbps,
             "copy_gb_per_s": bw / 1e9, "fraction_of_copy": gbps * 1e9 / bw,
             "torch_ref_time_us": t_ref * 1e6, "speedup_vs_torch": t_ref / t,
-            "bytes_read": read, "bytes_written": written, "baseline": base_name,
-            "baseline_gb_per_s": base_bw / 1e9, "fraction_of_baseline": gbps * 1e9 / base_bw,
         })
+        del sets
         torch.cuda.empty_cache()
     return {"copy_gb_per_s": bw / 1e9, "cases": results}
 
@@ -214,8 +183,7 @@ def environment(lib: str) -> dict:
         "torch": torch.__version__,
         "git_commit": out("git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"),
         "library": lib,
-        "timing": "CUDA graphs of back-to-back calls over input sets > 4x L2, median of 7 replays "
-                  "(ops and their same-traffic baselines)",
+        "timing": "CUDA graphs of back-to-back calls over input sets > 4x L2, median of 7 replays",
     }
 
 

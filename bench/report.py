@@ -45,7 +45,6 @@ IDLE_CPU_PCT = 2.0  # issue 14: the daemon with sessions open and no calls, % of
 LAUNCH_CLIENTS_CALLS_PER_S = 2 * 63_000
 LAUNCH_CLIENTS_CPU_PCT = 200.0
 KERNEL_FRACTION = 0.80
-KERNEL_FRACTION_14 = 0.85  # issue 14: every op at the Wan shapes
 
 REMOTE = (RING_SYNC, RING_ASYNC, GRPC)
 MODE_NAMES = {INPROC: "in-process", RING_SYNC: "ring sync", RING_ASYNC: "ring async", GRPC: "gRPC",
@@ -405,14 +404,10 @@ def _launch_clients_target(res) -> dict | None:
     return _row("scaling.executors", name, goal, "; ".join(parts), "met" if met else "missed")
 
 
-def _wan_kernel_cases(res) -> list[dict]:
-    k = kernel_result(res)
-    return [c for c in (k or {}).get("cases", []) if c["shape"].lower().startswith("wan")]
-
-
 def _kernel_target(res) -> dict:
     goal = f">= {KERNEL_FRACTION:.0%} of device-to-device copy bandwidth, every op at the Wan shapes"
-    wan = _wan_kernel_cases(res)
+    k = kernel_result(res)
+    wan = [c for c in (k or {}).get("cases", []) if c["shape"].lower().startswith("wan")]
     if not wan:
         return _row("kernels", "Kernel bandwidth", goal, "-", "no data")
     worst = min(wan, key=lambda c: c["fraction_of_copy"])
@@ -420,22 +415,6 @@ def _kernel_target(res) -> dict:
     achieved = (f"{met} of {len(wan)} op/shapes; worst {worst['fraction_of_copy']:.0%} "
                 f"({SHORT.get(worst['op'], worst['op'])}, {worst['shape']})")
     return _row("kernels", "Kernel bandwidth", goal, achieved, "met" if met == len(wan) else "missed")
-
-
-def _kernel_target_14(res) -> dict | None:
-    """Issue 14's bar for the same cases, with the worst op's share of a plain kernel of its traffic shape
-    (bench/kernels.py traffic_baseline); None for runs from before that baseline was measured."""
-    wan = _wan_kernel_cases(res)
-    if not wan or any("fraction_of_baseline" not in c for c in wan):
-        return None
-    goal = f">= {KERNEL_FRACTION_14:.0%} of device-to-device copy bandwidth, every op at the Wan shapes (issue 14)"
-    worst = min(wan, key=lambda c: c["fraction_of_copy"])
-    met = sum(c["fraction_of_copy"] >= KERNEL_FRACTION_14 for c in wan)
-    achieved = (f"{met} of {len(wan)} op/shapes; worst {worst['fraction_of_copy']:.0%} "
-                f"({SHORT.get(worst['op'], worst['op'])}, {worst['shape']}), which is "
-                f"{worst['fraction_of_baseline']:.0%} of a PyTorch {worst['baseline']} conversion of its traffic")
-    return _row("kernels.issue14", "Kernel bandwidth, issue 14", goal, achieved,
-                "met" if met == len(wan) else "missed")
 
 
 def _svdq_rows(res) -> list[dict]:
@@ -461,12 +440,11 @@ def _svdq_rows(res) -> list[dict]:
 def evaluate(res: dict) -> list[dict]:
     """One row per issue-7 target: what was achieved and whether it met the target (and the svdq case's row,
     and issue 14's idle daemon CPU where the run measured it)."""
-    kernels = [r for r in (_kernel_target(res), _kernel_target_14(res)) if r]
     if is_kernels_only(res):
-        return kernels
+        return [_kernel_target(res)]
     optional = [r for r in (_idle_target(res), _launch_clients_target(res)) if r]
     return [*_latency_targets(res), *_functional_targets(res), _cpp_target(res), *_cpp_ring_rows(res), *_pipelined_targets(res),
-            *_scaling_targets(res), *optional, *kernels, *_svdq_rows(res)]
+            *_scaling_targets(res), *optional, _kernel_target(res), *_svdq_rows(res)]
 
 
 # -- markdown --------------------------------------------------------------------------------
@@ -492,19 +470,14 @@ def targets_table(rows: list[dict]) -> list[str]:
 
 
 def kernels_table(res: dict) -> str:
-    """The kernel benchmark's table (the same as bench/kernels.py prints); the same-traffic baseline's columns
-    where the run measured it."""
-    base = bool(res["cases"]) and all("fraction_of_baseline" in c for c in res["cases"])
-    lines = [f"copy bandwidth (device-to-device, read + write): {res['copy_gb_per_s']:.0f} GB/s", ""]
-    head = ["op", "shape", "time (us)", "GB/s", "of copy BW"]
-    head += ["same-traffic PyTorch kernel: GB/s (of copy BW)", "op's share of it"] if base else []
-    head += ["torch ref (us)", "speed-up"]
-    lines += _table(head, [
-        [c["op"], c["shape"], f"{c['time_us']:.1f}", f"{c['gb_per_s']:.0f}", f"{100 * c['fraction_of_copy']:.0f}%",
-         *([f"{c['baseline']} {c['baseline_gb_per_s']:.0f} ({c['baseline_gb_per_s'] / res['copy_gb_per_s']:.0%})",
-            f"{c['fraction_of_baseline']:.0%}"] if base else []),
-         f"{c['torch_ref_time_us']:.1f}", f"{c['speedup_vs_torch']:.1f}x"] for c in res["cases"]],
-        "ll" + "r" * (len(head) - 2))
+    """The kernel benchmark's table (the same as bench/kernels.py prints)."""
+    lines = [f"copy bandwidth (device-to-device, read + write): {res['copy_gb_per_s']:.0f} GB/s", "",
+             "| op | shape | time (us) | GB/s | of copy BW | torch ref (us) | speed-up |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for c in res["cases"]:
+        lines.append(f"| {c['op']} | {c['shape']} | {c['time_us']:.1f} | {c['gb_per_s']:.0f} | "
+                     f"{100 * c['fraction_of_copy']:.0f}% | {c['torch_ref_time_us']:.1f} | "
+                     f"{c['speedup_vs_torch']:.1f}x |")
     return "\n".join(lines)
 
 

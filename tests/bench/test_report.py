@@ -55,41 +55,6 @@ def test_kernel_verdict_follows_the_worst_wan_case(res):
     assert verdicts(res)["kernels"]["verdict"] == "met"
 
 
-def _with_baselines(cases, fraction_of_baseline=0.95):
-    for c in cases:
-        c.update(baseline="u8->bf16", baseline_gb_per_s=c["gb_per_s"] / fraction_of_baseline,
-                 fraction_of_baseline=fraction_of_baseline)
-
-
-def test_issue_14s_kernel_row_needs_85_percent_and_names_the_worst_ops_share_of_its_baseline(res):
-    cases = res["cases"]["kernels"]["cases"]
-    assert "kernels.issue14" not in verdicts(res)  # a run from before the same-traffic baseline
-    _with_baselines(cases)
-    for c in cases:
-        c["fraction_of_copy"] = 0.86
-    assert verdicts(res)["kernels.issue14"]["verdict"] == "met"
-    wan = [c for c in cases if c["shape"].startswith("wan")]
-    wan[2]["fraction_of_copy"], wan[2]["fraction_of_baseline"] = 0.82, 0.97
-    rows = verdicts(res)
-    assert rows["kernels"]["verdict"] == "met"  # issue 7's 80%
-    row = rows["kernels.issue14"]
-    assert row["verdict"] == "missed"
-    assert "82%" in row["achieved"] and "97% of a PyTorch u8->bf16" in row["achieved"]
-    assert f"{len(wan) - 1} of {len(wan)}" in row["achieved"]
-
-
-def test_kernel_table_shows_the_same_traffic_baseline_when_measured(res):
-    k = res["cases"]["kernels"]
-    assert "same-traffic" not in report.kernels_table(k)
-    _with_baselines(k["cases"], 0.9)
-    md = report.kernels_table(k)
-    head = next(line for line in md.splitlines() if line.startswith("| op"))
-    assert "same-traffic PyTorch kernel" in head and "op's share of it" in head
-    first = k["cases"][0]
-    row = next(line for line in md.splitlines() if line.startswith(f"| {first['op']} | {first['shape']} |"))
-    assert "| 90% |" in row and f"u8->bf16 {first['gb_per_s'] / 0.9:.0f} " in row
-
-
 def _set_overheads(res, mode, overhead_us):
     modes = res["cases"]["latency"]["modes"]
     for shape, ops in modes[mode]["shapes"].items():
