@@ -28,17 +28,18 @@
 
 namespace cache_dit::svdq::sm90 {
 
-// How the kernel is launched (CACHE_DIT_SVDQ_GEMM, kernels/svdq/svdq.cu):
-// the default is neither; each is a schedule measured against it
-// (docs/DESIGN.md section 8). The results are the same bit for bit.
+// How the kernel is launched. The default takes both: measured on the H200,
+// 1.03-1.10x the one-CTA-per-tile launch at the benchmark's shapes
+// (docs/DESIGN.md section 8); CACHE_DIT_SVDQ_GEMM (kernels/svdq/svdq.cu)
+// selects the others, for measuring. The results are the same bit for bit.
 struct Schedule {
   // Clusters of two CTAs on neighbouring column tiles share the activation
   // tile (each copies half to both with TMA multicast): a quarter less L2
   // traffic per MMA. Taken only where N / 128 is even.
-  bool multicast = false;
+  bool multicast = true;
   // One CTA (cluster) per SM (pair) walking the tiles, its copies running
   // ahead into the next tile during the epilogue, instead of one per tile.
-  bool persistent = false;
+  bool persistent = true;
 };
 
 // Whether this build has the sm_90a kernel and `act`'s device can run it

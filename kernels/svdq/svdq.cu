@@ -366,10 +366,11 @@ void dispatch_half(at::ScalarType t, F&& f) {
 // CACHE_DIT_SVDQ_GEMM (read once): "portable" sends every GEMM to the
 // portable kernel, "int4" to the INT4 mma.sync one wherever that runs (on
 // sm_90 too, where the instruction is emulated: slow, but exact), so one GPU
-// can check each path against the others; "sm90-multicast",
-// "sm90-persistent" and "sm90-multicast-persistent" launch the sm_90a
-// kernel with another schedule (sm90::Schedule), to be measured against the
-// default ("sm90", or unset). Any other value warns once and is ignored.
+// can check each path against the others; "sm90-tile" (one CTA per tile),
+// "sm90-multicast" and "sm90-persistent" launch the sm_90a kernel with
+// another schedule than the default's (sm90::Schedule: multicast and
+// persistent; "sm90", or unset), to be measured against it. Any other value
+// warns once and is ignored.
 struct GemmChoice {
   enum class Path { kAuto, kPortable, kInt4 } path = Path::kAuto;
   sm90::Schedule schedule;
@@ -383,11 +384,11 @@ GemmChoice forced_gemm_path() {
     if (v == "portable") return GemmChoice{Path::kPortable, {}};
     if (v == "int4") return GemmChoice{Path::kInt4, {}};
     // sm90::Schedule{multicast, persistent}
+    if (v == "sm90-tile") return GemmChoice{Path::kAuto, {false, false}};
     if (v == "sm90-multicast") return GemmChoice{Path::kAuto, {true, false}};
     if (v == "sm90-persistent") return GemmChoice{Path::kAuto, {false, true}};
-    if (v == "sm90-multicast-persistent") return GemmChoice{Path::kAuto, {true, true}};
-    TORCH_WARN("CACHE_DIT_SVDQ_GEMM='", v, "' is not one of portable, int4, sm90, sm90-multicast, ",
-               "sm90-persistent, sm90-multicast-persistent; ignored");
+    TORCH_WARN("CACHE_DIT_SVDQ_GEMM='", v, "' is not one of portable, int4, sm90, sm90-tile, sm90-multicast, ",
+               "sm90-persistent; ignored");
     return GemmChoice{};
   }();
   return choice;

@@ -187,11 +187,11 @@ def test_the_other_gemm_paths_equal_this_one(ops, tmp_path, path):
     assert torch.all((mine[1][:640].double() - other[1][:640].double()).abs() <= bound)
 
 
-@pytest.mark.parametrize("schedule", ["sm90-multicast", "sm90-persistent", "sm90-multicast-persistent"])
+@pytest.mark.parametrize("schedule", ["sm90-tile", "sm90-multicast", "sm90-persistent"])
 def test_the_sm90_schedules_equal_the_default_bit_for_bit(ops, tmp_path, schedule):
-    """The sm_90a kernel launched with another schedule (kernels/svdq/gemm_sm90.h: two-CTA clusters sharing
-    the activation tile, and/or persistent CTAs walking the tiles) gives the default's bits, LoRA included
-    (same epilogue). Shapes: 2048 x 2048 is 256 tiles (128 two-CTA units), more than the H200 holds at
+    """The sm_90a kernel launched with another schedule than the default's (kernels/svdq/gemm_sm90.h: the
+    default has two-CTA clusters sharing the activation tile and persistent CTAs walking the tiles; the
+    others drop one or both) gives the default's bits, LoRA included (same epilogue). Shapes: 2048 x 2048 is 256 tiles (128 two-CTA units), more than the H200 holds at
     once, so a persistent CTA takes several and its ring runs on from one tile into the next; 300 rows
     padded to 304 end in a partial row tile; N = 384 is an odd number of column tiles, where multicast
     falls back to single CTAs."""
