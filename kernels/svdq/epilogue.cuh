@@ -29,54 +29,14 @@ __device__ __forceinline__ void store2(Out* p, float x, float y) {
   }
 }
 
-// This lane's LoRA operands of rank tile kr: its A fragment (lora_act rows
-// row0, row0 + 8; rows >= m_pad read as 0) in the model dtype, and its 16
-// bytes of proj_up's packed B fragments for each of the tile's eight
-// 16-channel groups (two m16n8k16 B fragments each).
-struct LoraTile {
-  uint32_t a[4];
-  uint4 b[8];
-};
-
-template <typename T>
-__device__ __forceinline__ LoraTile load_lora_tile(const float* __restrict__ lora_act, const T* __restrict__ up,
-                                                      int64_t row0, int n0, int m_pad, int rank, int kr, int lane) {
-  const int t = lane % 4;
-  float2 x[4] = {};  // (row0, k 2t), (row0 + 8, k 2t), (row0, k 2t + 8), (row0 + 8, k 2t + 8)
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int64_t row = row0 + (q % 2) * 8;
-    if (row < m_pad) x[q] = *reinterpret_cast<const float2*>(lora_act + row * rank + kr * 16 + 2 * t + (q / 2) * 8);
-  }
-  LoraTile tile;
-#pragma unroll
-  for (int cc = 0; cc < 8; ++cc) {  // 16-channel tile cc: words (n_half, k_half) of lane's 16 bytes
-    tile.b[cc] = *reinterpret_cast<const uint4*>(up + ((int64_t{n0} / 16 + cc) * (rank / 16) + kr) * 256 + lane * 8);
-  }
-#pragma unroll
-  for (int q = 0; q < 4; ++q) tile.a[q] = pack2<T>(x[q].x, x[q].y);
-  return tile;
-}
-
 // n0: the tile's first column (a multiple of 128); rows >= m_pad are not
 // read or written. bias, lora_act/up may be null (rank 0).
-//
-// Rank tile 0's operands are loaded with the bias, before either is used:
-// the loop over rank tiles has a runtime bound, so nothing had overlapped
-// their L2 round trips (one for the bias, then one per tile, in the SASS).
-// Loading more ahead (the next tile during a tile's MMAs, or two tiles with
-// the bias) spills: 36 registers a tile beside the 64 accumulators, at the
-// kernel's 168.
 template <typename T, typename Out>
 __device__ __forceinline__ void epilogue(float (&acc)[64], const T* __restrict__ bias,
                                          const float* __restrict__ lora_act, const T* __restrict__ up,
                                          Out* __restrict__ out, int64_t row0, int n0, int m_pad, int n_cols,
                                          int rank, int lane) {
   const int t = lane % 4;
-  const int rank_tiles = rank / 16;
-  LoraTile tile;
-  if (rank_tiles > 0) tile = load_lora_tile<T>(lora_act, up, row0, n0, m_pad, rank, 0, lane);
-  // Numerics unchanged: the bias first, then the rank tiles in order.
   if (bias != nullptr) {
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {  // packed: 4 values at (n0 / 128 * 32 + 4 jj + t) * 4
@@ -89,13 +49,26 @@ __device__ __forceinline__ void epilogue(float (&acc)[64], const T* __restrict__
       }
     }
   }
-  for (int kr = 0; kr < rank_tiles; ++kr) {
-    if (kr > 0) tile = load_lora_tile<T>(lora_act, up, row0, n0, m_pad, rank, kr, lane);
+  if (rank > 0) {
+    for (int kr = 0; kr < rank / 16; ++kr) {
+      float2 x[4] = {};  // (row0, k 2t), (row0 + 8, k 2t), (row0, k 2t + 8), (row0 + 8, k 2t + 8)
 #pragma unroll
-    for (int cc = 0; cc < 8; ++cc) {
-      float* d = acc + 8 * cc;
-      mma_16816<T>(d[0], d[1], d[2], d[3], tile.a, tile.b[cc].x, tile.b[cc].y);
-      mma_16816<T>(d[4], d[5], d[6], d[7], tile.a, tile.b[cc].z, tile.b[cc].w);
+      for (int q = 0; q < 4; ++q) {
+        const int64_t row = row0 + (q % 2) * 8;
+        if (row < m_pad) {
+          x[q] = *reinterpret_cast<const float2*>(lora_act + row * rank + kr * 16 + 2 * t + (q / 2) * 8);
+        }
+      }
+      const uint32_t a[4] = {pack2<T>(x[0].x, x[0].y), pack2<T>(x[1].x, x[1].y), pack2<T>(x[2].x, x[2].y),
+                             pack2<T>(x[3].x, x[3].y)};
+#pragma unroll
+      for (int cc = 0; cc < 8; ++cc) {  // 16-channel tile cc: words (n_half, k_half) of lane's 16 bytes
+        const uint4 b = *reinterpret_cast<const uint4*>(up + ((int64_t{n0} / 16 + cc) * (rank / 16) + kr) * 256 +
+                                                        lane * 8);
+        float* d = acc + 8 * cc;
+        mma_16816<T>(d[0], d[1], d[2], d[3], a, b.x, b.y);
+        mma_16816<T>(d[4], d[5], d[6], d[7], a, b.z, b.w);
+      }
     }
   }
 #pragma unroll
