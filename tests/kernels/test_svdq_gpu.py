@@ -191,10 +191,10 @@ def test_the_other_gemm_paths_equal_this_one(ops, tmp_path, path):
 def test_the_sm90_schedules_equal_the_default_bit_for_bit(ops, tmp_path, schedule):
     """The sm_90a kernel launched with another schedule than the default's (kernels/svdq/gemm_sm90.h: the
     default has two-CTA clusters sharing the activation tile and persistent CTAs walking the tiles; the
-    others drop one or both) gives the default's bits, LoRA included (same epilogue). Shapes: 2048 x 2048 is 256 tiles (128 two-CTA units), more than the H200 holds at
-    once, so a persistent CTA takes several and its ring runs on from one tile into the next; 300 rows
-    padded to 304 end in a partial row tile; N = 384 is an odd number of column tiles, where multicast
-    falls back to single CTAs."""
+    others drop one or both) gives the default's bits, LoRA included (same epilogue). Shapes: 2048 x 2048
+    is 256 tiles (128 two-CTA units), more than the H200 holds at once, so a persistent CTA takes several
+    and its ring runs on from one tile into the next; 300 rows padded to 304 end in a partial row tile;
+    N = 384 is an odd number of column tiles, where multicast falls back to single CTAs."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the schedules are the sm_90a kernel's")
     cases = []
