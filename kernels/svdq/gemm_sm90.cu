@@ -143,25 +143,35 @@ __device__ __forceinline__ void fence_acc(float (&d)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (+)= A[64 x 32] B[128 x 32]^T, both e4m3 in shared memory.
-__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
-      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(accumulate));
+// d (+)= A[64 x 32] B[128 x 32]^T, both e4m3 in shared memory. The first
+// MMA of a group (kAccumulate false) only writes d: its old values are dead,
+// so ptxas neither keeps them alive nor reads them while MMAs are in flight.
+#define CACHE_DIT_WGMMA_E4M3                                                                                  \
+  "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                                            \
+  "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "                                                  \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "     \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, " \
+  "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+  "%64, %65, p, 1, 1;\n}\n"
+#define CACHE_DIT_D8(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]), c(d[i + 7])
+#define CACHE_DIT_D64(c)                                                                                     \
+  CACHE_DIT_D8(c, 0), CACHE_DIT_D8(c, 8), CACHE_DIT_D8(c, 16), CACHE_DIT_D8(c, 24), CACHE_DIT_D8(c, 32), \
+      CACHE_DIT_D8(c, 40), CACHE_DIT_D8(c, 48), CACHE_DIT_D8(c, 56)
+#define CACHE_DIT_READ_WRITE(x) "+f"(x)
+#define CACHE_DIT_WRITE(x) "=f"(x)
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t db) {
+  if constexpr (kAccumulate) {
+    asm volatile(CACHE_DIT_WGMMA_E4M3 : CACHE_DIT_D64(CACHE_DIT_READ_WRITE) : "l"(da), "l"(db), "r"(1));
+  } else {
+    asm volatile(CACHE_DIT_WGMMA_E4M3 : CACHE_DIT_D64(CACHE_DIT_WRITE) : "l"(da), "l"(db), "r"(0));
+  }
 }
+#undef CACHE_DIT_WRITE
+#undef CACHE_DIT_READ_WRITE
+#undef CACHE_DIT_D64
+#undef CACHE_DIT_D8
+#undef CACHE_DIT_WGMMA_E4M3
 
 // One 64-group of this warpgroup's 64 rows: two k32 MMAs into a fresh d.
 // da, db: descriptors of this warpgroup's A rows and of B at stage 0, k 0. A
@@ -171,8 +181,8 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t
 __device__ __forceinline__ void issue_group(float (&d)[64], uint64_t da, uint64_t db, int stage, int half) {
   const uint64_t step = static_cast<uint64_t>(stage * (kTileBytes >> 4) + half * (64 >> 4));
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-  wgmma_e4m3(d, da + step, db + step, 0);
-  wgmma_e4m3(d, da + step + (32 >> 4), db + step + (32 >> 4), 1);
+  wgmma_e4m3<false>(d, da + step, db + step);
+  wgmma_e4m3<true>(d, da + step + (32 >> 4), db + step + (32 >> 4));
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
@@ -217,6 +227,77 @@ __device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const 
   }
 }
 
+// This warp is done with ring slot `stage` (its MMAs waited for, its scales
+// read): one arrival per warp, on the slot's barrier in every CTA whose
+// copies filled it.
+template <int kCluster>
+__device__ __forceinline__ void release_slot(Smem& s, int stage, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    if constexpr (kCluster > 1) {
+#pragma unroll
+      for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(&s.empty[stage], c);
+    } else {
+      mbar_arrive(&s.empty[stage]);
+    }
+  }
+}
+
+// The consumer's step: ring stages from stage count `it` on, their 64-groups
+// into this warpgroup's rows of acc. kN 1 or 2 stages: the 2 kN groups go to
+// d0 and d1 in turn, each group's MMAs issued before the group ahead of it is
+// rescaled, so the tensor cores have this warpgroup's next group while its
+// warps rescale; only the last group's rescale waits with nothing of this
+// warpgroup's in flight (the other warpgroup's MMAs run then). A step ends
+// with nothing in flight: ptxas serializes every wgmma of the kernel (C7514)
+// when a group issued in one loop iteration is read in the next. kN 0: one
+// stage, each group waited for before its rescale (the other warpgroup's
+// MMAs are all that overlap it), kept to be measured against.
+template <typename T, int kCluster, int kN>
+__device__ __forceinline__ void consume(Smem& s, float (&acc)[64], float (&d0)[64], float (&d1)[64], uint64_t desc_a,
+                                        uint64_t desc_b, int it, int wg_row, int lane) {
+  const int slot0 = it % kStages, slot1 = (it + 1) % kStages;
+  mbar_wait(&s.full[slot0], (it / kStages) & 1);
+  if constexpr (kN == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      issue_group(d0, desc_a, desc_b, slot0, half);
+      const float2 as = act_scales<T>(s, slot0, half, wg_row, lane);
+      wgmma_wait<0>();
+      fence_acc(d0);
+      rescale(acc, d0, s, slot0, half, as, lane);
+    }
+    release_slot<kCluster>(s, slot0, lane);
+    return;
+  }
+  issue_group(d0, desc_a, desc_b, slot0, 0);
+  issue_group(d1, desc_a, desc_b, slot0, 1);
+  float2 as = act_scales<T>(s, slot0, 0, wg_row, lane);
+  wgmma_wait<1>();
+  fence_acc(d0);
+  rescale(acc, d0, s, slot0, 0, as, lane);
+  if constexpr (kN == 2) {
+    mbar_wait(&s.full[slot1], ((it + 1) / kStages) & 1);
+    issue_group(d0, desc_a, desc_b, slot1, 0);
+    as = act_scales<T>(s, slot0, 1, wg_row, lane);
+    wgmma_wait<1>();
+    fence_acc(d1);
+    rescale(acc, d1, s, slot0, 1, as, lane);
+    release_slot<kCluster>(s, slot0, lane);
+    issue_group(d1, desc_a, desc_b, slot1, 1);
+    as = act_scales<T>(s, slot1, 0, wg_row, lane);
+    wgmma_wait<1>();
+    fence_acc(d0);
+    rescale(acc, d0, s, slot1, 0, as, lane);
+  }
+  const int last = kN == 2 ? slot1 : slot0;
+  as = act_scales<T>(s, last, 1, wg_row, lane);
+  wgmma_wait<0>();
+  fence_acc(d1);
+  rescale(acc, d1, s, last, 1, as, lane);
+  release_slot<kCluster>(s, last, lane);
+}
+
 #endif  // CACHE_DIT_SVDQ_WGMMA_BODY
 
 // kCluster 1: one CTA per 128 x 128 tile. kCluster 2: clusters of two CTAs
@@ -227,7 +308,7 @@ __device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const 
 // once (j = 0 only) or, persistent, takes one cluster per SM pair and walks
 // the units, its ring running on into the next unit while the consumers
 // finish the last (the producer is ahead by up to kStages stages).
-template <typename T, typename Out, int kCluster>
+template <typename T, typename Out, int kCluster, int kStep>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tm_act, const __grid_constant__ CUtensorMap tm_wgt,
                 const __grid_constant__ CUtensorMap tm_as, const __grid_constant__ CUtensorMap tm_ws,
@@ -297,42 +378,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int wg_row = (wg - 1) * 64;  // this warpgroup's rows within the tile
     const uint64_t desc_a = sw128_desc(smem_u32(s.a[0]) + wg_row * kBK), desc_b = sw128_desc(smem_u32(s.b[0]));
-    float acc[64], d[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    // acc: the tile's sums. d0, d1: a stage's two 64-groups, in flight in
+    // turn: group g + 1's MMAs are issued before group g is rescaled, so the
+    // tensor cores have this warpgroup's next group while its warps rescale
+    // (the other warpgroup's alone did not keep them busy: ncu, DESIGN 8).
+    float acc[64], d0[64], d1[64];
 
     int it = 0;
     for (int u = first_unit; u < units; u += unit_step) {
       const int n0 = ((u % n_units) * kCluster + crank) * kBN, m0 = u / n_units * kBM;
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-      // Per group: two k32 MMAs into d, wait, rescale into acc. The other
-      // warpgroup's MMAs keep the tensor cores busy while this one rescales.
-      // (Measured on the H200: issuing both groups of a stage before one wait,
-      // in a 256-thread block where thread 0 also loads, is 10-25% slower; named
-      // barriers that make the two warpgroups take turns issuing change nothing
-      // beyond run-to-run noise: the bound is the consumer warps' issue slots,
-      // docs/DESIGN.md section 8.)
-      for (int st = 0; st < k_stages; ++st, ++it) {
-        const int i = it % kStages;
-        mbar_wait(&s.full[i], (it / kStages) & 1);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          issue_group(d, desc_a, desc_b, i, half);
-          const float2 as = act_scales<T>(s, i, half, wg_row, lane);
-          wgmma_wait<0>();
-          fence_acc(d);
-          rescale(acc, d, s, i, half, as, lane);
-        }
-        __syncwarp();
-        if (lane == 0) {
-          if constexpr (kCluster > 1) {
-#pragma unroll
-            for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(&s.empty[i], c);
-          } else {
-            mbar_arrive(&s.empty[i]);
-          }
-        }
+      // kStep stages per step (consume()); the host takes 2 only for an even count.
+      for (int st = 0; st < k_stages; st += kStep > 0 ? kStep : 1) {
+        consume<T, kCluster, kStep>(s, acc, d0, d1, desc_a, desc_b, it, wg_row, lane);
+        it += kStep > 0 ? kStep : 1;
       }
 
       // Row g (+ 8) of this warp.
@@ -432,9 +492,15 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
                                        CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kBN, groups * n / kBN,
                                        kBN, 2, CU_TENSOR_MAP_SWIZZLE_NONE);
-  auto* kernel = cluster == 2 ? gemm_kernel<T, Out, 2> : gemm_kernel<T, Out, 1>;
-  static std::atomic<uint64_t> devices[2]{};  // per instantiation and cluster size
-  cuda::allow_dynamic_smem(kernel, static_cast<int>(kSmemBytes), devices[cluster - 1]);
+  // Two stages per consumer step needs an even stage count (gemm_kernel).
+  const int step = schedule.step == 2 && (k / kBK) % 2 != 0 ? 1 : std::clamp(schedule.step, 0, 2);
+  using Kernel = decltype(&gemm_kernel<T, Out, 1, 0>);
+  static constexpr Kernel kernels[2][3] = {
+      {gemm_kernel<T, Out, 1, 0>, gemm_kernel<T, Out, 1, 1>, gemm_kernel<T, Out, 1, 2>},
+      {gemm_kernel<T, Out, 2, 0>, gemm_kernel<T, Out, 2, 1>, gemm_kernel<T, Out, 2, 2>}};
+  const Kernel kernel = kernels[cluster - 1][step];
+  static std::atomic<uint64_t> devices[2][3]{};  // per instantiation
+  cuda::allow_dynamic_smem(kernel, static_cast<int>(kSmemBytes), devices[cluster - 1][step]);
 
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute attribute{};
@@ -454,13 +520,13 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
     if (cluster > 1) {
       // Clusters the device holds at once: a property of kernel and device,
       // asked once per device (0: not asked yet).
-      static std::atomic<int> resident_clusters[64]{};
+      static std::atomic<int> resident_clusters[3][64]{};
       const int device = c10::cuda::current_device();
-      resident = device < 64 ? resident_clusters[device].load(std::memory_order_relaxed) : 0;
+      resident = device < 64 ? resident_clusters[step][device].load(std::memory_order_relaxed) : 0;
       if (resident == 0) {
         config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
         C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
-        if (device < 64) resident_clusters[device].store(resident, std::memory_order_relaxed);
+        if (device < 64) resident_clusters[step][device].store(resident, std::memory_order_relaxed);
       }
     }
     clusters = std::min<int64_t>(clusters, std::max(resident, 1));

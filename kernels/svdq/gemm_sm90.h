@@ -40,6 +40,13 @@ struct Schedule {
   // One CTA (cluster) per SM (pair) walking the tiles, its copies running
   // ahead into the next tile during the epilogue, instead of one per tile.
   bool persistent = true;
+  // Stages per consumer step (the kernel's consume()): 0 overlaps no group
+  // rescale with the same warpgroup's MMAs (each group is waited for before
+  // its rescale; the other warpgroup's MMAs are what runs meanwhile), 1 one
+  // of a step's two, 2 three of four. 2 falls back to 1 where the stage
+  // count K / 128 is odd. The default stays 0, the measured kernel, until 1
+  // and 2 have run on a GPU (CACHE_DIT_SVDQ_GEMM=sm90-step1 / sm90-step2).
+  int step = 0;
 };
 
 // Whether this build has the sm_90a kernel and `act`'s device can run it
