@@ -44,9 +44,10 @@ struct Schedule {
   // rescale with the same warpgroup's MMAs (each group is waited for before
   // its rescale; the other warpgroup's MMAs are what runs meanwhile), 1 one
   // of a step's two, 2 three of four. 2 falls back to 1 where the stage
-  // count K / 128 is odd. The default stays 0, the measured kernel, until 1
-  // and 2 have run on a GPU (CACHE_DIT_SVDQ_GEMM=sm90-step1 / sm90-step2).
-  int step = 0;
+  // count K / 128 is odd. Measured on the H200 against 0 in one run (bench/
+  // results/2026-12-05-h200-svdq-step.md): 1 is 1.07-1.15x, 2 1.02-1.09x (its
+  // spills); CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-step2 select the others.
+  int step = 1;
 };
 
 // Whether this build has the sm_90a kernel and `act`'s device can run it
