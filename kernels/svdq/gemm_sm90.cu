@@ -389,10 +389,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int n0 = ((u % n_units) * kCluster + crank) * kBN, m0 = u / n_units * kBM;
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-      // kStep stages per step (consume()); the host takes 2 only for an even count.
-      for (int st = 0; st < k_stages; st += kStep > 0 ? kStep : 1) {
+      // kStep stages per step (step 0 takes one; consume()); the host takes 2
+      // only for an even count.
+      constexpr int kStepStages = kStep > 0 ? kStep : 1;
+      for (int st = 0; st < k_stages; st += kStepStages, it += kStepStages) {
         consume<T, kCluster, kStep>(s, acc, d0, d1, desc_a, desc_b, it, wg_row, lane);
-        it += kStep > 0 ? kStep : 1;
       }
 
       // Row g (+ 8) of this warp.

@@ -17,8 +17,8 @@
 // allocator (one pass over the weight, about 5% of the GEMM at FLUX shapes);
 // then one kernel: TMA loads into a 6-stage ring of 128 x 128 x 128 tiles,
 // one producer warpgroup (one thread issues the copies), two consumer
-// warpgroups of 64 x 128 that take turns on the tensor cores: one rescales a
-// group while the other's MMAs run. Bias and LoRA-up (mma.sync on the model
+// warpgroups of 64 x 128, each rescaling a group while its own next group's
+// MMAs and the other warpgroup's run (Schedule::step). Bias and LoRA-up (mma.sync on the model
 // dtype, into the same accumulators) in the epilogue.
 #pragma once
 
