@@ -35,19 +35,33 @@ constexpr int kStages = 6;   // 6 x 33.5 KB of the 227 KB a block may have
 constexpr int kThreads = 384;  // warpgroup 0: the producer; 1 and 2: the consumers
 constexpr int kTileBytes = kBM * kBK;
 
+// The consumer's main loop (consume()): kSerial waits for each group before
+// rescaling it; kOverlap rescales a stage's first group under its second's
+// MMAs (the default); kScaleMma has the tensor cores form the scale products.
+enum Loop : int { kSerial = 0, kOverlap = 1, kScaleMma = 2 };
+
+// Per stage, the weight scales of the two groups: with kScaleMma the B
+// operand of a TF32 MMA, K-major without swizzle: for each group, the
+// tile's 128 columns in logical order, each a 16-byte row (w, 0, 0, 0) (k 0..3;
+// k 4..7 read `zeros`); otherwise fp32 in the packed order.
+template <int kLoop>
 struct Smem {
-  uint8_t a[kStages][kTileBytes];  // act rows m0.., 128-byte swizzled (1024-byte aligned atoms)
-  uint8_t b[kStages][kTileBytes];  // e4m3 weight rows n0.., same layout
-  float ws[kStages][2 * kBN];      // the two groups' weight scales, packed order
-  uint16_t as[kStages][2 * kBM];   // the two groups' activation scales (model dtype bits), by row
-  uint64_t full[kStages];          // TMA landed (tx count)
-  uint64_t empty[kStages];         // the 8 consumer warps are done with the stage
+  static constexpr int kScaleFloats = kLoop == kScaleMma ? 2 * kBN * 4 : 2 * kBN;
+  static constexpr uint32_t kStageTxBytes =
+      2 * kTileBytes + sizeof(float) * kScaleFloats + sizeof(uint16_t) * 2 * kBM;
+  uint8_t a[kStages][kTileBytes];   // act rows m0.., 128-byte swizzled (1024-byte aligned atoms)
+  uint8_t b[kStages][kTileBytes];   // e4m3 weight rows n0.., same layout
+  float ws[kStages][kScaleFloats];  // the two groups' weight scales (above)
+  uint16_t as[kStages][2 * kBM];    // the two groups' activation scales (model dtype bits), by row
+  float zeros[kLoop == kScaleMma ? kBN * 4 : 4];  // k 4..7 of the scale MMA's B
+  uint64_t full[kStages];           // TMA landed (tx count)
+  uint64_t empty[kStages];          // the 8 consumer warps are done with the stage
 };
-constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
+template <int kLoop>
+constexpr size_t kSmemBytes = sizeof(Smem<kLoop>) + 1024;  // + alignment slack
+static_assert(kSmemBytes<kScaleMma> <= 227 * 1024);
 
 #ifdef CACHE_DIT_SVDQ_WGMMA_BODY
-
-constexpr uint32_t kStageTxBytes = 2 * kTileBytes + sizeof(float) * 2 * kBN + sizeof(uint16_t) * 2 * kBM;
 
 template <typename T>
 __device__ __forceinline__ float scale_bits_to_float(uint16_t bits);
@@ -167,6 +181,22 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t
     asm volatile(CACHE_DIT_WGMMA_E4M3 : CACHE_DIT_D64(CACHE_DIT_WRITE) : "l"(da), "l"(db), "r"(0));
   }
 }
+
+// d = A[64 x 8] B[128 x 8]^T in TF32, A in registers (this lane's a0..a3:
+// rows g, g + 8 at k t, then at k t + 4), B in shared memory; d's old
+// values are not read.
+__device__ __forceinline__ void wgmma_tf32_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint64_t db) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : CACHE_DIT_D64(CACHE_DIT_WRITE)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(0));
+}
 #undef CACHE_DIT_WRITE
 #undef CACHE_DIT_READ_WRITE
 #undef CACHE_DIT_D64
@@ -178,11 +208,38 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[64], uint64_t da, uint64_t
 // descriptor's address field is bits 0..13 of (address >> 4), and every
 // shared address is below 2^18, so moving through the ring is an add: a
 // stage is kTileBytes on, a group 64 bytes, a k32 step 32.
-__device__ __forceinline__ void issue_group(float (&d)[64], uint64_t da, uint64_t db, int stage, int half) {
+__device__ __forceinline__ void group_mmas(float (&d)[64], uint64_t da, uint64_t db, int stage, int half) {
   const uint64_t step = static_cast<uint64_t>(stage * (kTileBytes >> 4) + half * (64 >> 4));
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
   wgmma_e4m3<false>(d, da + step, db + step);
   wgmma_e4m3<true>(d, da + step + (32 >> 4), db + step + (32 >> 4));
+}
+
+// group_mmas as one commit group.
+__device__ __forceinline__ void issue_group(float (&d)[64], uint64_t da, uint64_t db, int stage, int half) {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  group_mmas(d, da, db, stage, half);
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+// No swizzle, K-major: 8-row core matrices of 16-byte rows, 128 bytes apart
+// (SBO); the k 4..7 core matrices at `lbo` bytes past the k 0..3 ones.
+__device__ __forceinline__ uint64_t interleave_desc(uint32_t addr, uint32_t lbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (uint64_t{128 >> 4} << 32);
+}
+
+// The kScaleMma group: the same two FP8 MMAs into d, and into sc the
+// group's scale products ascale[row] * wscale[column], all 64 x 128 of them,
+// as a TF32 MMA of A = this warpgroup's activation scales at k 0 (zeros
+// elsewhere; a0, a1: rows g and g + 8 from lanes with t = 0) and B = the
+// stage's weight scale rows (w, 0, 0, 0) and `zeros`. One commit group.
+template <typename S>
+__device__ __forceinline__ void issue_scaled_group(float (&d)[64], float (&sc)[64], uint64_t da, uint64_t db,
+                                                   const S& s, int stage, int half, uint32_t a0, uint32_t a1) {
+  const uint32_t ws = smem_u32(s.ws[stage] + half * kBN * 4);
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  group_mmas(d, da, db, stage, half);
+  wgmma_tf32_rs(sc, a0, a1, 0u, 0u, interleave_desc(ws, smem_u32(s.zeros) - ws));
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 
@@ -193,8 +250,8 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // The activation scales of this lane's rows g and g + 8, read before the
 // MMAs are waited for.
-template <typename T>
-__device__ __forceinline__ float2 act_scales(const Smem& s, int stage, int half, int wg_row, int lane) {
+template <typename T, typename S>
+__device__ __forceinline__ float2 act_scales(const S& s, int stage, int half, int wg_row, int lane) {
   const uint16_t* as = s.as[stage] + half * kBM + wg_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
   return make_float2(scale_bits_to_float<T>(as[0]), scale_bits_to_float<T>(as[8]));
 }
@@ -202,8 +259,9 @@ __device__ __forceinline__ float2 act_scales(const Smem& s, int stage, int half,
 // out += (dot * ascale) * wscale, one FMUL (exact: |dot| <= 4096 and the
 // scale has at most 11 significant bits) and one FFMA (one rounding) per
 // element. d[4 j + r]: row g + 8 (r / 2), column 8 j + 2 t + r % 2.
-__device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const Smem& s, int stage, int half,
-                                        float2 as, int lane) {
+template <typename S>
+__device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const S& s, int stage, int half, float2 as,
+                                        int lane) {
   const int t = lane % 4;
   const float a0 = as.x, a1 = as.y;
   // float4 at (4 jj + t): columns 16 jj + 2 t + {0, 1} and + 8
@@ -230,8 +288,8 @@ __device__ __forceinline__ void rescale(float (&out)[64], float (&d)[64], const 
 // This warp is done with ring slot `stage` (its MMAs waited for, its scales
 // read): one arrival per warp, on the slot's barrier in every CTA whose
 // copies filled it.
-template <int kCluster>
-__device__ __forceinline__ void release_slot(Smem& s, int stage, int lane) {
+template <int kCluster, typename S>
+__device__ __forceinline__ void release_slot(S& s, int stage, int lane) {
   __syncwarp();
   if (lane == 0) {
     if constexpr (kCluster > 1) {
@@ -243,59 +301,62 @@ __device__ __forceinline__ void release_slot(Smem& s, int stage, int lane) {
   }
 }
 
-// The consumer's step: ring stages from stage count `it` on, their 64-groups
-// into this warpgroup's rows of acc. kN 1 or 2 stages: the 2 kN groups go to
-// d0 and d1 in turn, each group's MMAs issued before the group ahead of it is
-// rescaled, so the tensor cores have this warpgroup's next group while its
-// warps rescale; only the last group's rescale waits with nothing of this
-// warpgroup's in flight (the other warpgroup's MMAs run then). A step ends
-// with nothing in flight: ptxas serializes every wgmma of the kernel (C7514)
-// when a group issued in one loop iteration is read in the next. kN 0: one
-// stage, each group waited for before its rescale (the other warpgroup's
-// MMAs are all that overlap it), kept to be measured against.
-template <typename T, int kCluster, int kN>
-__device__ __forceinline__ void consume(Smem& s, float (&acc)[64], float (&d0)[64], float (&d1)[64], uint64_t desc_a,
+// The consumer's step: ring stage `it`, its two 64-groups into this
+// warpgroup's rows of acc.
+// - kOverlap: the groups go to d0 and d1, the second's MMAs issued before
+//   the first is rescaled, so the tensor cores have this warpgroup's next
+//   group while its warps rescale; the second's rescale has nothing of this
+//   warpgroup's in flight (the other warpgroup's MMAs run then). A step ends
+//   with nothing in flight: ptxas serializes every wgmma of the kernel
+//   (C7514) when a group issued in one loop iteration is read in the next.
+// - kSerial: each group waited for before its rescale (the other
+//   warpgroup's MMAs are all that overlap it), kept to be measured against.
+// - kScaleMma: each group's MMAs also form its scale products in d1
+//   (issue_scaled_group), so the rescale is one FFMA per output and reads no
+//   scales from shared memory: out = fma(dot, ascale * wscale, out), the
+//   same single rounding of the same exact product as fma(dot * ascale,
+//   wscale, out) wherever ascale * wscale is a normal fp32 number (it is
+//   exact there: <= 22 significant bits).
+template <typename T, int kCluster, int kLoop, typename S>
+__device__ __forceinline__ void consume(S& s, float (&acc)[64], float (&d0)[64], float (&d1)[64], uint64_t desc_a,
                                         uint64_t desc_b, int it, int wg_row, int lane) {
-  const int slot0 = it % kStages, slot1 = (it + 1) % kStages;
-  mbar_wait(&s.full[slot0], (it / kStages) & 1);
-  if constexpr (kN == 0) {
+  const int slot = it % kStages;
+  mbar_wait(&s.full[slot], (it / kStages) & 1);
+  if constexpr (kLoop == kScaleMma) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      issue_group(d0, desc_a, desc_b, slot0, half);
-      const float2 as = act_scales<T>(s, slot0, half, wg_row, lane);
+      const float2 as = act_scales<T>(s, slot, half, wg_row, lane);
+      const bool k0 = lane % 4 == 0;  // the lanes that hold k 0 of A
+      issue_scaled_group(d0, d1, desc_a, desc_b, s, slot, half, k0 ? __float_as_uint(as.x) : 0u,
+                         k0 ? __float_as_uint(as.y) : 0u);
       wgmma_wait<0>();
       fence_acc(d0);
-      rescale(acc, d0, s, slot0, half, as, lane);
+      fence_acc(d1);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = __fmaf_rn(d0[i], d1[i], acc[i]);
     }
-    release_slot<kCluster>(s, slot0, lane);
-    return;
-  }
-  issue_group(d0, desc_a, desc_b, slot0, 0);
-  issue_group(d1, desc_a, desc_b, slot0, 1);
-  float2 as = act_scales<T>(s, slot0, 0, wg_row, lane);
-  wgmma_wait<1>();
-  fence_acc(d0);
-  rescale(acc, d0, s, slot0, 0, as, lane);
-  if constexpr (kN == 2) {
-    mbar_wait(&s.full[slot1], ((it + 1) / kStages) & 1);
-    issue_group(d0, desc_a, desc_b, slot1, 0);
-    as = act_scales<T>(s, slot0, 1, wg_row, lane);
-    wgmma_wait<1>();
-    fence_acc(d1);
-    rescale(acc, d1, s, slot0, 1, as, lane);
-    release_slot<kCluster>(s, slot0, lane);
-    issue_group(d1, desc_a, desc_b, slot1, 1);
-    as = act_scales<T>(s, slot1, 0, wg_row, lane);
+  } else if constexpr (kLoop == kSerial) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      issue_group(d0, desc_a, desc_b, slot, half);
+      const float2 as = act_scales<T>(s, slot, half, wg_row, lane);
+      wgmma_wait<0>();
+      fence_acc(d0);
+      rescale(acc, d0, s, slot, half, as, lane);
+    }
+  } else {
+    issue_group(d0, desc_a, desc_b, slot, 0);
+    issue_group(d1, desc_a, desc_b, slot, 1);
+    float2 as = act_scales<T>(s, slot, 0, wg_row, lane);
     wgmma_wait<1>();
     fence_acc(d0);
-    rescale(acc, d0, s, slot1, 0, as, lane);
+    rescale(acc, d0, s, slot, 0, as, lane);
+    as = act_scales<T>(s, slot, 1, wg_row, lane);
+    wgmma_wait<0>();
+    fence_acc(d1);
+    rescale(acc, d1, s, slot, 1, as, lane);
   }
-  const int last = kN == 2 ? slot1 : slot0;
-  as = act_scales<T>(s, last, 1, wg_row, lane);
-  wgmma_wait<0>();
-  fence_acc(d1);
-  rescale(acc, d1, s, last, 1, as, lane);
-  release_slot<kCluster>(s, last, lane);
+  release_slot<kCluster>(s, slot, lane);
 }
 
 #endif  // CACHE_DIT_SVDQ_WGMMA_BODY
@@ -308,7 +369,7 @@ __device__ __forceinline__ void consume(Smem& s, float (&acc)[64], float (&d0)[6
 // once (j = 0 only) or, persistent, takes one cluster per SM pair and walks
 // the units, its ring running on into the next unit while the consumers
 // finish the last (the producer is ahead by up to kStages stages).
-template <typename T, typename Out, int kCluster, int kStep>
+template <typename T, typename Out, int kCluster, int kLoop>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tm_act, const __grid_constant__ CUtensorMap tm_wgt,
                 const __grid_constant__ CUtensorMap tm_as, const __grid_constant__ CUtensorMap tm_ws,
@@ -320,7 +381,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // integer), so the compiler still knows the scales are shared memory and
   // reads them with LDS; generic loads cost the rescale its latency (ncu).
   // The offset is the same in every CTA, as multicast copies need.
-  Smem& s = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
+  using S = Smem<kLoop>;
+  S& s = *reinterpret_cast<S*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
   const int k_stages = k_dim / kBK, groups = k_dim / 64;
   // Units: kCluster column tiles of one 128-row band, column units fastest
@@ -337,6 +399,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  if constexpr (kLoop == kScaleMma) {
+    // Written through the generic proxy, read by the MMAs' async proxy.
+    for (int i = threadIdx.x; i < kBN * 4; i += kThreads) s.zeros[i] = 0.f;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
   if constexpr (kCluster > 1) {
     cluster_sync();  // the other CTA's barriers exist before anything lands on them
   } else {
@@ -352,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int st = 0; st < k_stages; ++st, ++it) {
           const int i = it % kStages;
           mbar_wait(&s.empty[i], ((it / kStages) & 1) ^ 1);  // the first round passes at once
-          mbar_expect_tx(&s.full[i], kStageTxBytes);
+          mbar_expect_tx(&s.full[i], S::kStageTxBytes);
           if constexpr (kCluster > 1) {
             // This CTA's share of the activation rows, to every CTA of the cluster.
             constexpr int kRows = kBM / kCluster;
@@ -362,7 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(s.a[i], &tm_act, &s.full[i], st * kBK, m0);
           }
           tma_load_2d(s.b[i], &tm_wgt, &s.full[i], st * kBK, n0);
-          tma_load_2d(s.ws[i], &tm_ws, &s.full[i], 0, n0 / kBN * groups + 2 * st);
+          // The two groups' scale rows (kScaleMma: two 2 KB rows a group).
+          tma_load_2d(s.ws[i], &tm_ws, &s.full[i], 0, (n0 / kBN * groups + 2 * st) * (kLoop == kScaleMma ? 2 : 1));
           tma_load_2d(s.as[i], &tm_as, &s.full[i], m0, 2 * st);
         }
       }
@@ -378,10 +446,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int wg_row = (wg - 1) * 64;  // this warpgroup's rows within the tile
     const uint64_t desc_a = sw128_desc(smem_u32(s.a[0]) + wg_row * kBK), desc_b = sw128_desc(smem_u32(s.b[0]));
-    // acc: the tile's sums. d0, d1: a stage's two 64-groups, in flight in
-    // turn: group g + 1's MMAs are issued before group g is rescaled, so the
-    // tensor cores have this warpgroup's next group while its warps rescale
-    // (the other warpgroup's alone did not keep them busy: ncu, DESIGN 8).
+    // acc: the tile's sums. d0, d1: a stage's two 64-groups in flight in
+    // turn (kOverlap: the other warpgroup's MMAs alone did not keep the
+    // tensor cores busy, ncu, DESIGN 8), or a group and its scale products
+    // (kScaleMma); consume().
     float acc[64], d0[64], d1[64];
 
     int it = 0;
@@ -389,11 +457,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int n0 = ((u % n_units) * kCluster + crank) * kBN, m0 = u / n_units * kBM;
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-      // kStep stages per step (step 0 takes one; consume()); the host takes 2
-      // only for an even count.
-      constexpr int kStepStages = kStep > 0 ? kStep : 1;
-      for (int st = 0; st < k_stages; st += kStepStages, it += kStepStages) {
-        consume<T, kCluster, kStep>(s, acc, d0, d1, desc_a, desc_b, it, wg_row, lane);
+      for (int st = 0; st < k_stages; ++st, ++it) {
+        consume<T, kCluster, kLoop>(s, acc, d0, d1, desc_a, desc_b, it, wg_row, lane);
       }
 
       // Row g (+ 8) of this warp.
@@ -421,6 +486,19 @@ template <typename T>
 __global__ void widen_kernel(const T* __restrict__ in, float* __restrict__ out, int64_t n) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i < n) out[i] = cuda::to_float(in[i]);
+}
+
+// kScaleMma's weight scales: per packed block of 128 (one column tile, one
+// group), the 16-byte row (w, 0, 0, 0) of each column in logical order. The
+// packed order puts column 16 jj + 8 h + 2 t + c at 16 jj + 4 t + 2 h + c
+// (the float4 rescale() reads at 4 jj + t).
+template <typename T>
+__global__ void scale_rows_kernel(const T* __restrict__ in, float4* __restrict__ out, int64_t n) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;  // block i / 128, logical column i % 128
+  if (i >= n) return;
+  const int c = static_cast<int>(i % 128), r = c % 16;
+  const int packed = c / 16 * 16 + (r % 8) / 2 * 4 + r / 8 * 2 + r % 2;
+  out[i] = make_float4(cuda::to_float(in[i - c + packed]), 0.f, 0.f, 0.f);
 }
 
 // ---- host -------------------------------------------------------------------------------------------------
@@ -472,15 +550,23 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   const int64_t m_pad = act.size(0), k = act.size(1), n = wgt.size(0), groups = k / 64;
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // Scratch from the caching allocator, on this stream: e4m3 weights and fp32 scales.
+  const int loop = std::clamp(schedule.loop, 0, 2);
+  // Scratch from the caching allocator, on this stream: e4m3 weights and fp32
+  // scales (kScaleMma: 16-byte rows, scale_rows_kernel).
   at::Tensor wq8 = at::empty({n, k}, act.options().dtype(at::kByte));
-  at::Tensor ws32 = at::empty({groups * n}, act.options().dtype(at::kFloat));
+  at::Tensor ws32 = at::empty({groups * n * (loop == kScaleMma ? 4 : 1)}, act.options().dtype(at::kFloat));
   const int64_t units = n * k / 8;
   expand_wgt_kernel<<<static_cast<unsigned>(cuda::ceil_div(units, 256)), 256, 0, stream>>>(
       static_cast<const uint32_t*>(wgt.data_ptr()), static_cast<uint2*>(wq8.data_ptr()), n, k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  widen_kernel<T><<<static_cast<unsigned>(cuda::ceil_div(groups * n, 256)), 256, 0, stream>>>(
-      reinterpret_cast<const T*>(wscales.data_ptr()), static_cast<float*>(ws32.data_ptr()), groups * n);
+  const auto grid = static_cast<unsigned>(cuda::ceil_div(groups * n, 256));
+  if (loop == kScaleMma) {
+    scale_rows_kernel<T><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(wscales.data_ptr()),
+                                                   static_cast<float4*>(ws32.data_ptr()), groups * n);
+  } else {
+    widen_kernel<T><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(wscales.data_ptr()),
+                                              static_cast<float*>(ws32.data_ptr()), groups * n);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // Two-CTA clusters pair neighbouring column tiles, so N / 128 must be even.
@@ -491,17 +577,19 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
                                         CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap tm_as = tensor_map(ascales.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, m_pad, groups, kBM, 2,
                                        CU_TENSOR_MAP_SWIZZLE_NONE);
-  const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, kBN, groups * n / kBN,
-                                       kBN, 2, CU_TENSOR_MAP_SWIZZLE_NONE);
-  // Two stages per consumer step needs an even stage count (gemm_kernel).
-  const int step = schedule.step == 2 && (k / kBK) % 2 != 0 ? 1 : std::clamp(schedule.step, 0, 2);
+  // A stage's two groups of scales: two rows of 128 floats, or (kScaleMma)
+  // four of 256 (a box row holds at most 256 elements).
+  const int64_t ws_row = loop == kScaleMma ? 2 * kBN : kBN, ws_rows = loop == kScaleMma ? 4 : 2;
+  const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, ws_row,
+                                       ws32.numel() / ws_row, ws_row, ws_rows, CU_TENSOR_MAP_SWIZZLE_NONE);
   using Kernel = decltype(&gemm_kernel<T, Out, 1, 0>);
   static constexpr Kernel kernels[2][3] = {
       {gemm_kernel<T, Out, 1, 0>, gemm_kernel<T, Out, 1, 1>, gemm_kernel<T, Out, 1, 2>},
       {gemm_kernel<T, Out, 2, 0>, gemm_kernel<T, Out, 2, 1>, gemm_kernel<T, Out, 2, 2>}};
-  const Kernel kernel = kernels[cluster - 1][step];
+  const Kernel kernel = kernels[cluster - 1][loop];
+  const size_t smem_bytes = loop == kScaleMma ? kSmemBytes<kScaleMma> : kSmemBytes<kOverlap>;
   static std::atomic<uint64_t> devices[2][3]{};  // per instantiation
-  cuda::allow_dynamic_smem(kernel, static_cast<int>(kSmemBytes), devices[cluster - 1][step]);
+  cuda::allow_dynamic_smem(kernel, static_cast<int>(smem_bytes), devices[cluster - 1][loop]);
 
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute attribute{};
@@ -509,7 +597,7 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
   attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = cluster > 1 ? 1 : 0;  // the default launch stays a plain one
@@ -523,11 +611,11 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
       // asked once per device (0: not asked yet).
       static std::atomic<int> resident_clusters[3][64]{};
       const int device = c10::cuda::current_device();
-      resident = device < 64 ? resident_clusters[step][device].load(std::memory_order_relaxed) : 0;
+      resident = device < 64 ? resident_clusters[loop][device].load(std::memory_order_relaxed) : 0;
       if (resident == 0) {
         config.gridDim = dim3(static_cast<unsigned>(clusters * cluster));
         C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
-        if (device < 64) resident_clusters[step][device].store(resident, std::memory_order_relaxed);
+        if (device < 64) resident_clusters[loop][device].store(resident, std::memory_order_relaxed);
       }
     }
     clusters = std::min<int64_t>(clusters, std::max(resident, 1));

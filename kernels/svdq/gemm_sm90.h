@@ -18,8 +18,8 @@
 // then one kernel: TMA loads into a 6-stage ring of 128 x 128 x 128 tiles,
 // one producer warpgroup (one thread issues the copies), two consumer
 // warpgroups of 64 x 128, each rescaling a group while its own next group's
-// MMAs and the other warpgroup's run (Schedule::step). Bias and LoRA-up (mma.sync on the model
-// dtype, into the same accumulators) in the epilogue.
+// MMAs and the other warpgroup's run (Schedule::loop). Bias and LoRA-up
+// (mma.sync on the model dtype, into the same accumulators) in the epilogue.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,7 +31,8 @@ namespace cache_dit::svdq::sm90 {
 // How the kernel is launched. The default takes both: measured on the H200,
 // 1.03-1.10x the one-CTA-per-tile launch at the benchmark's shapes
 // (docs/DESIGN.md section 8); CACHE_DIT_SVDQ_GEMM (kernels/svdq/svdq.cu)
-// selects the others, for measuring. The results are the same bit for bit.
+// selects the others, for measuring. The results are the same bit for bit
+// (loop 2: where its condition below holds).
 struct Schedule {
   // Clusters of two CTAs on neighbouring column tiles share the activation
   // tile (each copies half to both with TMA multicast): a quarter less L2
@@ -40,14 +41,17 @@ struct Schedule {
   // One CTA (cluster) per SM (pair) walking the tiles, its copies running
   // ahead into the next tile during the epilogue, instead of one per tile.
   bool persistent = true;
-  // Stages per consumer step (the kernel's consume()): 0 overlaps no group
-  // rescale with the same warpgroup's MMAs (each group is waited for before
-  // its rescale; the other warpgroup's MMAs are what runs meanwhile), 1 one
-  // of a step's two, 2 three of four. 2 falls back to 1 where the stage
-  // count K / 128 is odd. Measured on the H200 against 0 in one run (bench/
-  // results/2026-12-05-h200-svdq-step.md): 1 is 1.07-1.15x, 2 1.02-1.09x (its
-  // spills); CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-step2 select the others.
-  int step = 1;
+  // The consumer's main loop: 0 waits for each 64-group's MMAs before
+  // rescaling it (the other warpgroup's MMAs are all that overlap it); 1
+  // issues a stage's second group before it rescales the first, into a
+  // second accumulator array; 2 has the tensor cores also form each group's
+  // scale products ascale x wscale (a TF32 MMA, k 0 only), so the rescale is
+  // one FFMA per output instead of an FMUL, an FFMA and the scale loads
+  // (the same bits where the product is a normal fp32 number; kernels/svdq/
+  // gemm_sm90.cu consume()). Measured on the H200 against 0 in one run
+  // (bench/results/2026-12-05-h200-svdq-step.md): 1 is 1.07-1.15x.
+  // CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-scalemma select the others.
+  int loop = 1;
 };
 
 // Whether this build has the sm_90a kernel and `act`'s device can run it
