@@ -323,8 +323,7 @@ __device__ __forceinline__ void consume(S& s, float (&acc)[64], float (&d0)[64],
   const int slot = it % kStages;
   mbar_wait(&s.full[slot], (it / kStages) & 1);
   if constexpr (kLoop == kScaleMma) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    const auto group = [&](int half) {
       const float2 as = act_scales<T>(s, slot, half, wg_row, lane);
       const bool k0 = lane % 4 == 0;  // the lanes that hold k 0 of A
       issue_scaled_group(d0, d1, desc_a, desc_b, s, slot, half, k0 ? __float_as_uint(as.x) : 0u,
@@ -334,6 +333,14 @@ __device__ __forceinline__ void consume(S& s, float (&acc)[64], float (&d0)[64],
       fence_acc(d1);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = __fmaf_rn(d0[i], d1[i], acc[i]);
+    };
+    if constexpr (kCluster > 1) {
+      group(0);
+      group(1);
+    } else {
+      // Unrolled here, ptxas serializes the kernel's MMAs (C7512, registers).
+#pragma unroll 1
+      for (int half = 0; half < 2; ++half) group(half);
     }
   } else if constexpr (kLoop == kSerial) {
 #pragma unroll
