@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Several GPU steps in one call with one time budget, for hosts lent by the
+# minute (the device tool: one call, results under $OUT, a few files back).
+#
+#   tests/gpu/batch.sh [--budget SECONDS] STEP...
+#
+# Builds once into ${CACHE_DIT_GPU_BUILD_DIR:-build-gpu} (the offline prefix
+# from .offline/debs when it exists, the wheels of .offline/wheels into
+# <build>/pydeps, as tests/gpu/run.sh does), then runs the steps in order,
+# each under `timeout` with what is left of the budget (default 480 s) less
+# 15 s for the end, and ends by packing $OUT (default <build>/results) into
+# $OUT/all.tgz. Steps:
+#   svdq-tests      pytest tests/kernels/test_svdq_gpu.py
+#   svdq-bench[=S]  bench/svdq.py, timing schedules S (comma-separated;
+#                   default all) against the default   -> $OUT/svdq.json
+#   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-scalemma)
+#   ctest-gpu       ctest -L gpu
+#   kernels-gpu     pytest tests/kernels -m gpu
+#   python-gpu      pytest tests/python -m gpu
+#   all             tests/gpu/run.sh (every suite)
+#   bench-quick     bench/run.sh --quick                 -> $OUT/bench
+# Each step's output goes to $OUT/<step>.log; its last lines and its exit
+# status are printed as it ends.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT" || exit 1
+BUDGET=480
+if [ "${1-}" = "--budget" ]; then BUDGET="$2"; shift 2; fi
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+BUILD="${CACHE_DIT_GPU_BUILD_DIR:-$ROOT/build-gpu}"
+OUT="${OUT:-$BUILD/results}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+T0=$SECONDS
+say() { echo "batch.sh [$((SECONDS - T0)) s]: $*"; }
+left() { echo $((BUDGET - 15 - (SECONDS - T0))); }
+pack() {
+  tar czf "/tmp/batch-$$.tgz" -C "$OUT" --exclude all.tgz . && mv "/tmp/batch-$$.tgz" "$OUT/all.tgz"
+  say "packed $OUT/all.tgz"
+}
+trap pack EXIT
+
+if [ -d "$ROOT/.offline/debs" ]; then
+  # shellcheck source=deploy/offline/use-prefix.sh
+  source "$ROOT/deploy/offline/use-prefix.sh" "$ROOT/.offline/debs" > "$OUT/prefix.log" 2>&1 ||
+    { say "offline prefix failed"; tail -n 20 "$OUT/prefix.log"; exit 1; }
+fi
+if ! command -v nvcc > /dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+export CACHE_DIT_CUDA_ARCH_LIST="${CACHE_DIT_CUDA_ARCH_LIST:-90a}"
+./deploy/build.sh --no-install --build-dir "$BUILD" > "$OUT/build.log" 2>&1 ||
+  { say "build FAILED"; tail -n 60 "$OUT/build.log"; exit 1; }
+say "built"
+if compgen -G "$ROOT/.offline/wheels/*.whl" > /dev/null; then
+  python3 -m pip install --quiet --no-deps --no-index --upgrade --target "$BUILD/pydeps" "$ROOT"/.offline/wheels/*.whl \
+    > "$OUT/wheels.log" 2>&1 || say "wheels failed (see wheels.log)"
+  export PYTHONPATH="$BUILD/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+export CACHE_DIT_OPD_BUILD_DIR="$BUILD" CACHE_DIT_OPD_REQUIRE_BUILD=1
+LIB="$BUILD/kernels/libcache_dit_cuda_ops.so"
+
+RC=0
+for step in "$@"; do
+  name="${step%%=*}" arg=""
+  [ "$name" != "$step" ] && arg="${step#*=}"
+  limit="$(left)"
+  if [ "$limit" -le 10 ]; then say "$name: not started, the budget is spent"; RC=1; continue; fi
+  say "$name (up to $limit s)"
+  case "$name" in
+    svdq-tests) cmd=(python3 -m pytest tests/kernels/test_svdq_gpu.py -q -rs -p no:cacheprovider) ;;
+    svdq-bench) cmd=(python3 bench/svdq.py --lib "$LIB" --json "$OUT/svdq.json") ;;
+    ncu-svdq) cmd=(bench/ncu_svdq.sh --lib "$LIB" --out "$OUT/ncu" --schedules "${arg:-sm90,sm90-scalemma}") ;;
+    ctest-gpu) cmd=(ctest --test-dir "$BUILD" --output-on-failure -L gpu) ;;
+    kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;
+    python-gpu) cmd=(python3 -m pytest tests/python -m gpu -q -rs -p no:cacheprovider) ;;
+    all) cmd=(env OUT="$OUT/run" tests/gpu/run.sh) ;;
+    bench-quick) cmd=(bench/run.sh --quick --build "$BUILD" --out "$OUT/bench") ;;
+    *) say "unknown step '$name'"; RC=2; continue ;;
+  esac
+  [ "$name" = svdq-bench ] && [ -n "$arg" ] && cmd+=(--schedules "$arg")
+  timeout "$limit" "${cmd[@]}" > "$OUT/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$OUT/$name.log"
+  say "$name: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')"
+  [ "$rc" -ne 0 ] && RC=1
+done
+exit "$RC"
