@@ -47,8 +47,6 @@ enum Loop : int { kSerial = 0, kOverlap = 1, kScaleMma = 2 };
 template <int kLoop>
 struct Smem {
   static constexpr int kScaleFloats = kLoop == kScaleMma ? 2 * kBN * 4 : 2 * kBN;
-  static constexpr uint32_t kStageTxBytes =
-      2 * kTileBytes + sizeof(float) * kScaleFloats + sizeof(uint16_t) * 2 * kBM;
   uint8_t a[kStages][kTileBytes];   // act rows m0.., 128-byte swizzled (1024-byte aligned atoms)
   uint8_t b[kStages][kTileBytes];   // e4m3 weight rows n0.., same layout
   float ws[kStages][kScaleFloats];  // the two groups' weight scales (above)
@@ -62,6 +60,10 @@ constexpr size_t kSmemBytes = sizeof(Smem<kLoop>) + 1024;  // + alignment slack
 static_assert(kSmemBytes<kScaleMma> <= 227 * 1024);
 
 #ifdef CACHE_DIT_SVDQ_WGMMA_BODY
+
+template <int kLoop>
+constexpr uint32_t kStageTxBytes =
+    2 * kTileBytes + sizeof(float) * Smem<kLoop>::kScaleFloats + sizeof(uint16_t) * 2 * kBM;
 
 template <typename T>
 __device__ __forceinline__ float scale_bits_to_float(uint16_t bits);
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int st = 0; st < k_stages; ++st, ++it) {
           const int i = it % kStages;
           mbar_wait(&s.empty[i], ((it / kStages) & 1) ^ 1);  // the first round passes at once
-          mbar_expect_tx(&s.full[i], S::kStageTxBytes);
+          mbar_expect_tx(&s.full[i], kStageTxBytes<kLoop>);
           if constexpr (kCluster > 1) {
             // This CTA's share of the activation rows, to every CTA of the cluster.
             constexpr int kRows = kBM / kCluster;
