@@ -497,17 +497,15 @@ __global__ void widen_kernel(const T* __restrict__ in, float* __restrict__ out, 
   if (i < n) out[i] = cuda::to_float(in[i]);
 }
 
-// kScaleMma's weight scales: per packed block of 128 (one column tile, one
-// group), the 16-byte row (w, 0, 0, 0) of each column in logical order. The
-// packed order puts column 16 jj + 8 h + 2 t + c at 16 jj + 4 t + 2 h + c
-// (the float4 rescale() reads at 4 jj + t).
+// kScaleMma's weight scales: per block of the packed order (one column
+// tile, one group), the 16-byte row (w, 0, 0, 0) of each column in logical
+// order.
 template <typename T>
-__global__ void scale_rows_kernel(const T* __restrict__ in, float4* __restrict__ out, int64_t n) {
+__global__ void scale_rows_kernel(const T* __restrict__ in, float4* __restrict__ out, int64_t n, int64_t groups) {
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;  // block i / 128, logical column i % 128
   if (i >= n) return;
-  const int c = static_cast<int>(i % 128), r = c % 16;
-  const int packed = c / 16 * 16 + (r % 8) / 2 * 4 + r / 8 * 2 + r % 2;
-  out[i] = make_float4(cuda::to_float(in[i - c + packed]), 0.f, 0.f, 0.f);
+  const int64_t block = i / 128, column = block / groups * 128 + i % 128;
+  out[i] = make_float4(cuda::to_float(in[scale_pos(column, block % groups, groups)]), 0.f, 0.f, 0.f);
 }
 
 // ---- host -------------------------------------------------------------------------------------------------
@@ -571,7 +569,7 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   const auto grid = static_cast<unsigned>(cuda::ceil_div(groups * n, 256));
   if (loop == kScaleMma) {
     scale_rows_kernel<T><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(wscales.data_ptr()),
-                                                   static_cast<float4*>(ws32.data_ptr()), groups * n);
+                                                   static_cast<float4*>(ws32.data_ptr()), groups * n, groups);
   } else {
     widen_kernel<T><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(wscales.data_ptr()),
                                               static_cast<float*>(ws32.data_ptr()), groups * n);

@@ -101,14 +101,6 @@ __device__ __forceinline__ float round_clamp_q(float t) {
   return q;
 }
 
-// The packed smooth_factor's order within a 64-group (nunchaku's: a lane's
-// four m16n8k16 columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of step st at
-// st * 16 + 4 t): the packed index of logical column c.
-__device__ __forceinline__ int packed_channel(int c) {
-  const int st = c / 16, kk = c % 16;
-  return st * 16 + (kk % 8) / 2 * 4 + kk % 2 + 2 * (kk / 8);
-}
-
 __device__ __forceinline__ uint32_t swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row % 8)) * 16); }
 
 // Copies this lane's 16 bytes of each of its 4 rows of group gi into the
@@ -147,7 +139,8 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
   if (quantize && smooth != nullptr) {
     float* inv = reinterpret_cast<float*>(inv_smooth);
     for (int64_t i = threadIdx.x; i < (g_end - g_begin) * 64; i += blockDim.x) {
-      inv[i] = __frcp_rn(to_float(smooth[(g_begin + i / 64) * 64 + packed_channel(static_cast<int>(i % 64))]));
+      // smooth_factor is a per-channel vector in the packed order (layouts.cuh).
+      inv[i] = __frcp_rn(to_float(smooth[scale_pos(g_begin * 64 + i, 0, 1)]));
     }
   }
   __syncthreads();

@@ -197,7 +197,7 @@ def test_the_sm90_schedules_equal_the_default_bit_for_bit(ops, tmp_path, schedul
     the same exact product). Shapes: 2048 x 2048 is 256 tiles (128 two-CTA units), more than the H200 holds
     at once, so a persistent CTA takes several and its ring runs on from one tile into the next; 300 rows
     padded to 304 end in a partial row tile; N = 384 is an odd number of column tiles, where multicast falls
-    back to single CTAs; K = 384 is an odd number of stages."""
+    back to single CTAs (and the scale-MMA loop takes its groups as a loop)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the schedules are the sm_90a kernel's")
     cases = []
