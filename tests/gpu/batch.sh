@@ -13,7 +13,8 @@
 #   svdq-tests      pytest tests/kernels/test_svdq_gpu.py
 #   svdq-bench[=S]  bench/svdq.py, timing schedules S (comma-separated;
 #                   default all) against the default   -> $OUT/svdq.json
-#   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-scalemma)
+#   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-overlap)
+#   probe-wgmma[=P] opd_wgmma_loop_probe, runs P (comma-separated; default all)
 #   ctest-gpu       ctest -L gpu
 #   kernels-gpu     pytest tests/kernels -m gpu
 #   python-gpu      pytest tests/python -m gpu
@@ -70,7 +71,8 @@ for step in "$@"; do
   case "$name" in
     svdq-tests) cmd=(python3 -m pytest tests/kernels/test_svdq_gpu.py -q -rs -p no:cacheprovider) ;;
     svdq-bench) cmd=(python3 bench/svdq.py --lib "$LIB" --json "$OUT/svdq.json") ;;
-    ncu-svdq) cmd=(bench/ncu_svdq.sh --lib "$LIB" --out "$OUT/ncu" --schedules "${arg:-sm90,sm90-scalemma}") ;;
+    ncu-svdq) cmd=(bench/ncu_svdq.sh --lib "$LIB" --out "$OUT/ncu" --schedules "${arg:-sm90,sm90-overlap}") ;;
+    probe-wgmma) cmd=("$BUILD/bench/probes/opd_wgmma_loop_probe" ${arg//,/ }) ;;
     ctest-gpu) cmd=(ctest --test-dir "$BUILD" --output-on-failure -L gpu) ;;
     kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;
     python-gpu) cmd=(python3 -m pytest tests/python -m gpu -q -rs -p no:cacheprovider) ;;
