@@ -29,6 +29,38 @@ __device__ __forceinline__ void store2(Out* p, float x, float y) {
   }
 }
 
+__device__ __forceinline__ void swap_if(bool c, uint32_t& a, uint32_t& b) {
+  const uint32_t lo = c ? b : a, hi = c ? a : b;
+  a = lo;
+  b = hi;
+}
+
+// x[i] <- x[i ^ t] for t in 0..3 (static indices, selects only).
+__device__ __forceinline__ void xor_permute(uint32_t (&x)[4], int t) {
+  swap_if(t & 1, x[0], x[1]);
+  swap_if(t & 1, x[2], x[3]);
+  swap_if(t & 2, x[0], x[2]);
+  swap_if(t & 2, x[1], x[3]);
+}
+
+// One row of a 16-bit output tile: lane t of the quad that shares the row
+// holds w[j], the two outputs at columns 8 j + 2 t (+ 1), j = 0..15. A 4 x 4
+// transpose of words within the quad per 32 columns (three xor shuffles)
+// gives lane t columns 32 b + 8 t .. + 7, stored as one 16-byte vector:
+// a quarter of the store instructions of 4-byte stores, and whole sectors.
+// Every lane of the warp calls it (the shuffles); `ok` masks the store.
+__device__ __forceinline__ void store_row_16bit(void* row, const uint32_t (&w)[16], int t, bool ok) {
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    uint32_t x[4] = {w[4 * b], w[4 * b + 1], w[4 * b + 2], w[4 * b + 3]};
+    xor_permute(x, t);  // x[r] = this lane's word of j = 4 b + (r ^ t)
+    uint32_t y[4] = {x[0], __shfl_xor_sync(0xFFFFFFFFu, x[1], 1), __shfl_xor_sync(0xFFFFFFFFu, x[2], 2),
+                     __shfl_xor_sync(0xFFFFFFFFu, x[3], 3)};
+    xor_permute(y, t);  // y[u] = lane u's word of j = 4 b + t
+    if (ok) reinterpret_cast<uint4*>(row)[4 * b + t] = make_uint4(y[0], y[1], y[2], y[3]);
+  }
+}
+
 // n0: the tile's first column (a multiple of 128); rows >= m_pad are not
 // read or written. bias, lora_act/up may be null (rank 0).
 template <typename T, typename Out>
@@ -50,6 +82,7 @@ __device__ __forceinline__ void epilogue(float (&acc)[64], const T* __restrict__
     }
   }
   if (rank > 0) {
+#pragma unroll 2
     for (int kr = 0; kr < rank / 16; ++kr) {
       float2 x[4] = {};  // (row0, k 2t), (row0 + 8, k 2t), (row0, k 2t + 8), (row0 + 8, k 2t + 8)
 #pragma unroll
@@ -72,11 +105,19 @@ __device__ __forceinline__ void epilogue(float (&acc)[64], const T* __restrict__
     }
   }
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + 8 * h;
+    Out* dst = out + row * n_cols + n0;
+    if constexpr (std::is_same_v<Out, float>) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + 8 * h;
-      if (row < m_pad) store2<Out>(out + row * n_cols + n0 + 8 * j + 2 * t, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+      for (int j = 0; j < 16; ++j) {
+        if (row < m_pad) store2<Out>(dst + 8 * j + 2 * t, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+      }
+    } else {
+      uint32_t w[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) w[j] = pack2<Out>(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+      store_row_16bit(dst, w, t, row < m_pad);
     }
   }
 }

@@ -9,17 +9,18 @@
 // wgmma sums them into fp32 exactly (a 64-group dot has magnitude <= 4096;
 // measured exact on the H200 up to sums of 2^20, docs/DESIGN.md section 8).
 // FP8 rather than INT8 because the accumulators are already fp32: the
-// per-group rescale is one FMUL and one FFMA per output, where int32 needs a
-// conversion as well, and that rescale, not the tensor core, bounds this GEMM.
+// per-group rescale is one FFMA per output (with the scale products from the
+// tensor cores, Schedule::loop), where int32 needs a conversion as well, and
+// that rescale, not the FP8 MMAs, bounds this GEMM.
 //
 // Per call: the packed qweight is expanded to e4m3 [N, K] row-major and the
-// packed wscales widened to fp32 (same order) in scratch from the caching
-// allocator (one pass over the weight, about 5% of the GEMM at FLUX shapes);
-// then one kernel: TMA loads into a 6-stage ring of 128 x 128 x 128 tiles,
-// one producer warpgroup (one thread issues the copies), two consumer
-// warpgroups of 64 x 128, each rescaling a group while its own next group's
-// MMAs and the other warpgroup's run (Schedule::loop). Bias and LoRA-up
-// (mma.sync on the model dtype, into the same accumulators) in the epilogue.
+// packed wscales to fp32 rows in scratch from the caching allocator (one
+// pass over the weight, about 5% of the GEMM at FLUX shapes); then one
+// kernel: TMA loads into a 6-stage ring of 128 x 128 x 128 tiles, one
+// producer warpgroup (one thread issues the copies), two consumer
+// warpgroups of 64 x 128, each rescaling a group while the other's MMAs run
+// (kernels/svdq/sm90_mainloop.cuh). Bias and LoRA-up (mma.sync on the model
+// dtype, into the same accumulators) in the epilogue.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,10 +49,12 @@ struct Schedule {
   // scale products ascale x wscale (a TF32 MMA, k 0 only), so the rescale is
   // one FFMA per output instead of an FMUL, an FFMA and the scale loads
   // (the same bits where the product is a normal fp32 number; kernels/svdq/
-  // gemm_sm90.cu consume()). Measured on the H200 against 0 in one run
-  // (bench/results/2026-12-05-h200-svdq-step.md): 1 is 1.07-1.15x.
-  // CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-scalemma select the others.
-  int loop = 1;
+  // sm90_mainloop.cuh consume()). Measured against 1 in one run, GEMM time:
+  // 2 is 1.04-1.11x at six of the benchmark's seven shapes, 0.98x at
+  // 4608 x 3072 x 12288 (H100, bench/results/2026-12-05-h100-svdq-scalemma.md);
+  // 1 was 1.07-1.15x 0 (H200, 2026-12-05-h200-svdq-step.md).
+  // CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-overlap select the others.
+  int loop = 2;
 };
 
 // Whether this build has the sm_90a kernel and `act`'s device can run it

@@ -363,8 +363,8 @@ void dispatch_half(at::ScalarType t, F&& f) {
 // can check each path against the others; "sm90-tile" (one CTA per tile),
 // "sm90-multicast" and "sm90-persistent" launch the sm_90a kernel with
 // another schedule than the default's (sm90::Schedule: multicast and
-// persistent, the overlapping main loop; "sm90", or unset), and
-// "sm90-serial" and "sm90-scalemma" the default launch with another main
+// persistent, the scale-MMA main loop; "sm90", or unset), and
+// "sm90-serial" and "sm90-overlap" the default launch with another main
 // loop (Schedule::loop), to be measured against it. Any other value warns
 // once and is ignored.
 struct GemmChoice {
@@ -384,9 +384,9 @@ GemmChoice forced_gemm_path() {
     if (v == "sm90-multicast") return GemmChoice{Path::kAuto, {true, false}};
     if (v == "sm90-persistent") return GemmChoice{Path::kAuto, {false, true}};
     if (v == "sm90-serial") return GemmChoice{Path::kAuto, {true, true, 0}};
-    if (v == "sm90-scalemma") return GemmChoice{Path::kAuto, {true, true, 2}};
+    if (v == "sm90-overlap") return GemmChoice{Path::kAuto, {true, true, 1}};
     TORCH_WARN("CACHE_DIT_SVDQ_GEMM='", v, "' is not one of portable, int4, sm90, sm90-tile, sm90-multicast, ",
-               "sm90-persistent, sm90-serial, sm90-scalemma; ignored");
+               "sm90-persistent, sm90-serial, sm90-overlap; ignored");
     return GemmChoice{};
   }();
   return choice;

@@ -34,9 +34,10 @@
 //     2 float32 -> out [M_pad, N]. Numerics: linear_faithful (exact group dots;
 //     per group in order acc = fma(dot * ascale, wscale, acc) in fp32, where
 //     dot * ascale is exact; then bias; then LoRA). Without LoRA the result is
-//     bit-exact on every path (CACHE_DIT_SVDQ_GEMM=sm90-scalemma, a measuring
-//     option: where ascale * wscale is a normal fp32 number, gemm_sm90.h);
-//     the LoRA sums' order is the path's own.
+//     bit-exact on every path; on sm_90a (gemm_sm90.h) wherever ascale *
+//     wscale is a normal fp32 number: always for float16 scales, for bfloat16
+//     unless the product is below ~1e-38 or above ~3e38. The LoRA sums'
+//     order is the path's own.
 //   svdq_quantize_w4a4_wgt
 //     input [N, K] T contiguous, N % 128 == 0, K % 128 == 0
 //     -> output [N, K/2] int8 packed (qweight), oscales [G, N] T packed

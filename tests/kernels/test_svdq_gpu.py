@@ -187,14 +187,14 @@ def test_the_other_gemm_paths_equal_this_one(ops, tmp_path, path):
     assert torch.all((mine[1][:640].double() - other[1][:640].double()).abs() <= bound)
 
 
-@pytest.mark.parametrize("schedule", ["sm90-tile", "sm90-multicast", "sm90-persistent", "sm90-serial", "sm90-scalemma"])
+@pytest.mark.parametrize("schedule", ["sm90-tile", "sm90-multicast", "sm90-persistent", "sm90-serial", "sm90-overlap"])
 def test_the_sm90_schedules_equal_the_default_bit_for_bit(ops, tmp_path, schedule):
     """The sm_90a kernel launched with another schedule than the default's (kernels/svdq/gemm_sm90.h: the
     default has two-CTA clusters sharing the activation tile, persistent CTAs walking the tiles, and a main
-    loop that rescales a stage's first group under its second's MMAs; the others drop one or both of the
-    first two, or overlap no rescale, or have the tensor cores form the scale products) gives the default's
-    bits, LoRA included (same epilogue; the groups are summed in the same order, each with one rounding of
-    the same exact product). Shapes: 2048 x 2048 is 256 tiles (128 two-CTA units), more than the H200 holds
+    loop whose tensor cores also form the scale products; the others drop one or both of the first two, or
+    rescale with FMUL and FFMA, one group waited for at a time or a stage's first group under its second's
+    MMAs) gives the default's bits, LoRA included (same epilogue; the groups are summed in the same order,
+    each with one rounding of the same exact product: the scales here are normal numbers). Shapes: 2048 x 2048 is 256 tiles (128 two-CTA units), more than the H200 holds
     at once, so a persistent CTA takes several and its ring runs on from one tile into the next; 300 rows
     padded to 304 end in a partial row tile; N = 384 is an odd number of column tiles, where multicast falls
     back to single CTAs (and the scale-MMA loop takes its groups as a loop)."""
