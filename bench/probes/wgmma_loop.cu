@@ -17,15 +17,16 @@
 //              other's MMAs instead of both waiting at once
 // So the difference between a loop and the GEMM is what the producer, L2
 // and the epilogue cost, and the difference between a loop and its MMA-only
-// bound is what its rescale costs. Prints, per run: microseconds, cycles per
-// stage (mean over CTAs) and tera-operations per second counted as the GEMM
-// counts them (2 x 128 x 128 x 128 per stage and CTA with two consumers).
-// --tile-stages S: the product loops also run the product's epilogue
-// (kernels/svdq/epilogue.cuh: bias, LoRA-up at rank 32, bf16 stores to a
-// tile of the CTA's own) every S stages, as a GEMM with K = 128 S does per
-// tile, so its cost shows beside the loop's. CLUSTER 2 launches clusters of two CTAs (the GEMM's multicast path:
-// consume() then arrives on both CTAs' barriers); CONSUMERS 1 leaves the
-// second consumer warpgroup idle. Default: every probe at 2:2 and 1:2.
+// bound is what its rescale costs. --tile-stages S: the product loops also
+// run the product's epilogue (kernels/svdq/epilogue.cuh: bias, LoRA-up at
+// rank 32, bf16 stores into a tile of the CTA's own) every S stages, as a
+// GEMM with K = 128 S does per tile. CLUSTER 2 launches clusters of two CTAs
+// (the GEMM's multicast path: consume() then arrives on both CTAs'
+// barriers); CONSUMERS 1 leaves the second consumer warpgroup idle.
+// Default: every probe at 2:2 and 1:2. Prints, per run: microseconds,
+// cycles per stage (mean over CTAs) and tera-operations per second counted
+// as the GEMM counts them (2 x 128 x 128 x 128 per stage and CTA with two
+// consumers). bench/results/2026-12-05-h100-svdq-epilogue.md has its figures.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -240,7 +241,8 @@ int main(int argc, char** argv) {
         if (name == kNames[p]) r.probe = p;
       }
       if (r.probe < 0) {
-        std::fprintf(stderr, "unknown probe '%s' (serial overlap scalemma mma mma-wait scale-wait scalemma-pp)\n", name.c_str());
+        std::fprintf(stderr, "unknown probe '%s' (serial overlap scalemma mma mma-wait scale-wait scalemma-pp)\n",
+                     name.c_str());
         return 2;
       }
       std::sscanf(arg.c_str() + name.size(), ":%d:%d", &r.cluster, &r.consumers);
@@ -272,7 +274,8 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
-  std::printf("# %s, %d CTAs, %d stages, epilogue every %d\nprobe,cluster,consumers,us,cycles_per_stage,tops\n", prop.name, ctas, stages, tile_stages);
+  std::printf("# %s, %d CTAs, %d stages, epilogue every %d\nprobe,cluster,consumers,us,cycles_per_stage,tops\n",
+              prop.name, ctas, stages, tile_stages);
   for (const Run& r : runs) {
     const Kernel kernel = kernel_for(r.probe, r.cluster);
     const int smem = static_cast<int>(loop_of(r.probe) == kScaleMma ? kSmemBytes<kScaleMma> : kSmemBytes<kOverlap>);
@@ -290,9 +293,9 @@ int main(int argc, char** argv) {
     float best = 1e30f;
     for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
       CHECK_CUDA(cudaEventRecord(e0));
-      CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, stages, r.consumers, tile_stages, static_cast<const __nv_bfloat16*>(bias),
-                                    static_cast<const float*>(lora_act), static_cast<const __nv_bfloat16*>(up), out, sink,
-                                    cycles));
+      CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, stages, r.consumers, tile_stages,
+                                    static_cast<const __nv_bfloat16*>(bias), static_cast<const float*>(lora_act),
+                                    static_cast<const __nv_bfloat16*>(up), out, sink, cycles));
       CHECK_CUDA(cudaEventRecord(e1));
       CHECK_CUDA(cudaEventSynchronize(e1));
       float ms = 0.f;

@@ -5,7 +5,8 @@
 // in the m16n8 D layout, acc[4 j + r] at row row0 + 8 (r / 2), column
 // n0 + 8 j + 2 t + r % 2 (lane 4 g + t); then + bias, then + LoRA-up
 // (mma.sync on the model dtype into the same accumulators: nunchaku's packed
-// proj_up is that MMA's B fragments), then the store. Numerics:
+// proj_up is that MMA's B fragments), then the store (16-bit outputs as
+// 16-byte vectors, store_row_16bit). Numerics:
 // kernels/svdq/svdq.h (bias, then the LoRA sums in this MMA's order).
 #pragma once
 
@@ -19,15 +20,6 @@
 #include "kernels/svdq/mma.cuh"
 
 namespace cache_dit::svdq {
-
-template <typename Out>
-__device__ __forceinline__ void store2(Out* p, float x, float y) {
-  if constexpr (std::is_same_v<Out, float>) {
-    *reinterpret_cast<float2*>(p) = make_float2(x, y);
-  } else {
-    *reinterpret_cast<uint32_t*>(p) = pack2<Out>(x, y);
-  }
-}
 
 __device__ __forceinline__ void swap_if(bool c, uint32_t& a, uint32_t& b) {
   const uint32_t lo = c ? b : a, hi = c ? a : b;
@@ -82,6 +74,9 @@ __device__ __forceinline__ void epilogue(float (&acc)[64], const T* __restrict__
     }
   }
   if (rank > 0) {
+    // Two steps a pass: a rank-32 LoRA's loads are all in flight before its
+    // first MMA (measured, bench/results/2026-12-05-h100-svdq-epilogue.md;
+    // hoisting them above the bias as well spilled ~330 bytes).
 #pragma unroll 2
     for (int kr = 0; kr < rank / 16; ++kr) {
       float2 x[4] = {};  // (row0, k 2t), (row0 + 8, k 2t), (row0, k 2t + 8), (row0 + 8, k 2t + 8)
@@ -111,7 +106,9 @@ __device__ __forceinline__ void epilogue(float (&acc)[64], const T* __restrict__
     if constexpr (std::is_same_v<Out, float>) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        if (row < m_pad) store2<Out>(dst + 8 * j + 2 * t, acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+        if (row < m_pad) {
+          *reinterpret_cast<float2*>(dst + 8 * j + 2 * t) = make_float2(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+        }
       }
     } else {
       uint32_t w[16];
