@@ -54,7 +54,14 @@ struct TensorRef {
   DType dtype = DType::kUnspecified;
 };
 
+// Equal views: the same region, offset, dtype, sizes and strides.
+inline bool operator==(const TensorRef& a, const TensorRef& b) {
+  return a.region_id == b.region_id && a.byte_offset == b.byte_offset && a.dtype == b.dtype && a.sizes == b.sizes &&
+         a.strides == b.strides;
+}
+
 struct NoneArg {};
+inline bool operator==(NoneArg, NoneArg) { return true; }
 
 // One positional or keyword argument, in schema order.
 using Arg = std::variant<NoneArg, TensorRef, int64_t, double, bool, std::vector<int64_t>,

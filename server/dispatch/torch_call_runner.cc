@@ -188,8 +188,11 @@ Status CheckView(const TensorRef& t, const MappedRegion& region, bool written) {
 // of its tensors is in a region.
 class ArgDecoder {
  public:
-  ArgDecoder(const std::string& op_name, const RegionResolver& regions, bool meta, int default_device)
-      : op_name_(op_name), regions_(regions), meta_(meta), default_device_(default_device) {}
+  // `wrap` false: resolve and check only (PrepareAgain); the tensors' stack
+  // entries stay None.
+  ArgDecoder(const std::string& op_name, const RegionResolver& regions, bool meta, int default_device,
+             bool wrap = true)
+      : op_name_(op_name), regions_(regions), meta_(meta), wrap_(wrap), default_device_(default_device) {}
 
   Status Decode(const c10::FunctionSchema& schema, const std::vector<Arg>& args,
                 std::vector<c10::IValue>* stack) {
@@ -216,11 +219,15 @@ class ArgDecoder {
     if (!unplaced_.empty() && (device_ < 0 || device_ > std::numeric_limits<c10::DeviceIndex>::max())) {
       return Status::Internal(op_name_, ": no valid device (", device_, ") for its empty tensors");
     }
-    for (const auto& [index, ref] : unplaced_) (*stack)[index] = WrapView(nullptr, *ref, device_);
+    if (wrap_) {
+      for (const auto& [index, ref] : unplaced_) (*stack)[index] = WrapView(nullptr, *ref, device_);
+    }
     return Status::Ok();
   }
 
   std::vector<uint64_t> TakeRegions() { return std::move(region_ids_); }
+  // The base of each region view's region, in argument order.
+  const std::vector<const void*>& bases() const { return bases_; }
   int device() const { return device_; }
   // Whether some tensor the schema marks as written (Tensor(a!)) has an
   // element: false when the call can write nothing.
@@ -322,6 +329,7 @@ class ArgDecoder {
       // An empty view, no memory (wire.h kNoRegion): no region to resolve
       // or pin; wrapped once the call's device is known (Decode).
       if (Status s = CheckNoRegionView(ref); !s.ok()) return s.Annotated(Where(param) + " ");
+      if (!wrap_) return Status::Ok();
       if (meta_) {
         *out = at::empty_strided(ref.sizes, ref.strides, Options(ref).device(at::kMeta));
       } else {
@@ -352,6 +360,8 @@ class ArgDecoder {
     if (std::find(region_ids_.begin(), region_ids_.end(), ref.region_id) == region_ids_.end()) {
       region_ids_.push_back(ref.region_id);
     }
+    bases_.push_back(region.base);
+    if (!wrap_) return Status::Ok();
 
     if (meta_) {
       *out = at::empty_strided(ref.sizes, ref.strides, Options(ref).device(at::kMeta));
@@ -381,8 +391,10 @@ class ArgDecoder {
   const std::string& op_name_;
   const RegionResolver& regions_;
   const bool meta_;
+  const bool wrap_;
   const int default_device_;
   std::vector<uint64_t> region_ids_;
+  std::vector<const void*> bases_;
   int device_ = -1;
   size_t index_ = 0;  // the argument being decoded
   bool writes_elements_ = false;
@@ -450,18 +462,24 @@ class PreparedCallImpl final : public PreparedCall {
   // `nothing_to_write`: no written tensor has an element and the op's Meta
   // kernel checks it in Validate, so Run launches nothing.
   PreparedCallImpl(std::string op_name, c10::OperatorHandle op, bool has_meta_kernel, std::vector<c10::IValue> args,
-                   std::vector<uint64_t> regions, int device, bool meta, bool nothing_to_write)
+                   std::vector<uint64_t> regions, std::vector<const void*> bases, int device, bool meta,
+                   bool nothing_to_write)
       : op_name_(std::move(op_name)),
         op_(std::move(op)),
         has_meta_kernel_(has_meta_kernel),
         args_(std::move(args)),
         regions_(std::move(regions)),
+        bases_(std::move(bases)),
         device_(device),
         meta_(meta),
         nothing_to_write_(nothing_to_write) {}
 
   const std::string& op_name() const override { return op_name_; }
   const std::vector<uint64_t>& regions() const override { return regions_; }
+  // The region bases its views were wrapped at, in argument order, and its
+  // device: what PrepareAgain compares.
+  const std::vector<const void*>& bases() const { return bases_; }
+  int device() const { return device_; }
 
   Status Validate() {
     if (!has_meta_kernel_) return Status::Ok();
@@ -531,6 +549,7 @@ class PreparedCallImpl final : public PreparedCall {
   const bool has_meta_kernel_;
   const std::vector<c10::IValue> args_;
   const std::vector<uint64_t> regions_;
+  const std::vector<const void*> bases_;
   const int device_;
   const bool meta_;
   const bool nothing_to_write_;
@@ -665,8 +684,39 @@ Status TorchCallRunner::PrepareUnclassified(const CallRequest& req, const Region
   // Without a Meta kernel its checks run only in Run, so it runs.
   const bool nothing_to_write = !decoder.writes_elements() && has_meta_kernel;
   *out = std::make_unique<PreparedCallImpl>(std::move(op_name), std::move(*op), has_meta_kernel, std::move(args),
-                                            decoder.TakeRegions(), device, meta, nothing_to_write);
+                                            decoder.TakeRegions(), decoder.bases(), device, meta, nothing_to_write);
   return Status::Ok();
+}
+
+Status TorchCallRunner::PrepareAgain(const CallRequest& req, const RegionResolver& regions,
+                                     const std::shared_ptr<PreparedCall>& previous,
+                                     std::shared_ptr<PreparedCall>* out, bool* reused) {
+  *reused = false;
+  std::call_once(ops_once_, [this] { ops_ = OpTable::Build(); });
+  const auto* prev = static_cast<const PreparedCallImpl*>(previous.get());
+  const OpTable::Entry* known = ops_->Find(req.op, req.overload);
+  if (prev != nullptr && known != nullptr && known->servable.ok()) {
+    // The same decoding as Prepare's (every bound and argument check), with
+    // no tensor wrapped; the views' regions are resolved for this call.
+    std::vector<c10::IValue> unused;
+    ArgDecoder decoder(prev->op_name(), regions, device_ == Device::kMeta, cuda_device_, /*wrap=*/false);
+    Status s;
+    try {
+      s = decoder.Decode(known->handle.schema(), req.args, &unused);
+    } catch (const std::exception& e) {
+      s = Status::Internal(prev->op_name(), ": ", e.what());
+    }
+    if (!s.ok()) return Classified(std::move(s));
+    if (decoder.bases() == prev->bases() && decoder.device() == prev->device()) {
+      *out = previous;
+      *reused = true;
+      return Status::Ok();
+    }
+  }
+  std::unique_ptr<PreparedCall> fresh;
+  Status s = Prepare(req, regions, &fresh);
+  *out = std::move(fresh);
+  return s;
 }
 
 // Only this runner's Prepare makes the calls handed back to it (the

@@ -73,6 +73,14 @@ class TorchCallRunner final : public CallRunner {
   Status Prepare(const CallRequest& req, const RegionResolver& regions,
                  std::unique_ptr<PreparedCall>* out) override;
 
+  // Steps 1 and 3 only, for a call equal to `previous` (CallRunner's
+  // contract): each region view resolved and checked against its region as
+  // in step 3 (same reasons); `previous` itself when every view's region has
+  // the base and device it had then, else a full Prepare.
+  Status PrepareAgain(const CallRequest& req, const RegionResolver& regions,
+                      const std::shared_ptr<PreparedCall>& previous, std::shared_ptr<PreparedCall>* out,
+                      bool* reused) override;
+
   // Step 5. OK when the op has no Meta kernel (its checks then run in Run).
   // INVALID_ARGUMENT with the op's message when a check fails.
   Status Validate(PreparedCall& call) override;

@@ -37,6 +37,23 @@ class CallRunner {
   // go through `regions` (which records their use by this call).
   virtual Status Prepare(const CallRequest& req, const RegionResolver& regions,
                          std::unique_ptr<PreparedCall>* out) = 0;
+  // Prepare for a call whose op, overload and arguments equal those of
+  // `previous`, a call this runner prepared and Validate accepted: resolves
+  // and bounds-checks its regions again through `regions` (recording them for
+  // this call), and where each resolves to the mapping `previous` was made
+  // with, hands back `previous` itself with *reused = true (nothing decoded
+  // again; Validate's verdict stands, since it read only those arguments and
+  // addresses). Otherwise prepares afresh (*reused = false). The default
+  // always prepares afresh.
+  virtual Status PrepareAgain(const CallRequest& req, const RegionResolver& regions,
+                              const std::shared_ptr<PreparedCall>& /*previous*/, std::shared_ptr<PreparedCall>* out,
+                              bool* reused) {
+    *reused = false;
+    std::unique_ptr<PreparedCall> fresh;
+    Status s = Prepare(req, regions, &fresh);
+    *out = std::move(fresh);
+    return s;
+  }
   // Runs the op's own argument checks without the GPU, so a call can be
   // accepted or rejected before its inputs are ready.
   virtual Status Validate(PreparedCall& /*call*/) { return Status::Ok(); }

@@ -311,10 +311,30 @@ void Executor::Finish(LaneQueue& q, Item& item, Status status) {
 
 void Executor::Accept(LaneQueue& q, Item& item) {
   CallRegionResolver resolver(&q.session->regions(), q.lane->index, item.req.seq);
-  Status s = runner_->Prepare(item.req, resolver, &item.prepared);
-  if (s.ok() && !item.prepared) s = Status::Rejected(Reason::kInternal, "dispatch prepared nothing for ", item.req.op);
-  if (s.ok()) s = runner_->Validate(*item.prepared);
-  if (!s.ok()) item.prepared.reset();
+  LaneCalls& kept = accepted_[q.lane];
+  if (kept.session_id != q.session->id()) kept = LaneCalls{q.session->id()};  // a lane of an earlier session
+  const CallRequest& req = item.req;
+  AcceptedCall* same = nullptr;
+  for (AcceptedCall& c : kept.calls) {
+    if (c.prepared && c.op == req.op && c.overload == req.overload && c.args == req.args) same = &c;
+  }
+  Status s;
+  bool reused = false;
+  if (same != nullptr) {
+    s = runner_->PrepareAgain(req, resolver, same->prepared, &item.prepared, &reused);
+  } else {
+    std::unique_ptr<PreparedCall> fresh;
+    s = runner_->Prepare(req, resolver, &fresh);
+    item.prepared = std::move(fresh);
+  }
+  if (s.ok() && !item.prepared) s = Status::Rejected(Reason::kInternal, "dispatch prepared nothing for ", req.op);
+  if (s.ok() && !reused) s = runner_->Validate(*item.prepared);
+  if (!s.ok()) {
+    item.prepared.reset();
+  } else if (!reused) {
+    AcceptedCall& slot = same != nullptr ? *same : kept.calls[kept.next++ % LaneCalls::kKept];
+    slot = AcceptedCall{req.op, req.overload, req.args, item.prepared};
+  }
   item.verdict = s;
   item.answered_at = Clock::now();
   Observe(item, CallStage::kAccept, item.answered_at - item.received);
@@ -500,6 +520,7 @@ void Executor::ReleaseParked(const std::shared_ptr<Session>& session) {
 void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reason) {
   // Parked waits first: what this session has on the GPU must drain.
   ReleaseParked(session);
+  std::erase_if(accepted_, [&](const auto& e) { return !session || e.second.session_id == session->id(); });
   for (auto qit = queues_.begin(); qit != queues_.end();) {
     LaneQueue& q = qit->second;
     if (session && q.session != session) {

@@ -85,6 +85,7 @@
 // session and exits non-zero).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -256,7 +257,7 @@ class Executor {
     Completion done;
     std::chrono::steady_clock::time_point received{};
     std::chrono::steady_clock::time_point answered_at{};
-    std::unique_ptr<PreparedCall> prepared{};
+    std::shared_ptr<PreparedCall> prepared{};
     // Validation outcome; a rejected call only writes "done". Not OK before
     // Accept only for a call its transport rejected (SubmitRejected).
     Status verdict{};
@@ -271,6 +272,21 @@ class Executor {
     Lane* lane;
     uint64_t seq;
     Completion done;
+  };
+  // A lane's last accepted calls (op, overload, arguments) and what they were
+  // prepared into: a call equal to one of them is prepared again (its regions
+  // resolved and bounds-checked) without decoding or Validate
+  // (CallRunner::PrepareAgain). A pipeline repeats a few calls per lane.
+  struct AcceptedCall {
+    std::string op, overload;
+    std::vector<Arg> args;
+    std::shared_ptr<PreparedCall> prepared;
+  };
+  struct LaneCalls {
+    static constexpr size_t kKept = 4;
+    uint64_t session_id = 0;
+    std::array<AcceptedCall, kKept> calls{};
+    size_t next = 0;  // replaced next, round robin
   };
   struct LaneQueue {
     std::shared_ptr<Session> session;
@@ -367,6 +383,7 @@ class Executor {
   std::map<Lane*, LaneQueue> queues_;  // executor thread only
   std::vector<Awaiting> awaiting_;     // executor thread only
   std::map<Lane*, Parked> parked_;     // executor thread only
+  std::map<const Lane*, LaneCalls> accepted_;  // executor thread only; a dropped session's go
   std::vector<std::shared_ptr<CallSource>> rings_;  // executor thread only
   std::atomic<size_t> parked_count_{0};
   std::atomic<uint64_t> busy_ns_{0};  // written by the executor thread only

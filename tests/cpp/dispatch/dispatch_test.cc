@@ -81,6 +81,9 @@ class FakeRegions final : public RegionResolver {
     *out = it->second;
     return Status::Ok();
   }
+  // A region registered again (another mapping or size), or gone.
+  void Set(uint64_t id, MappedRegion region) { regions_[id] = region; }
+  void Remove(uint64_t id) { regions_.erase(id); }
 
  private:
   std::map<uint64_t, MappedRegion> regions_;
@@ -254,6 +257,43 @@ TEST_F(KernelOpsTest, RegionsListedOnceInFirstUseOrder) {
                           regions_, &call)
                   .ok());
   EXPECT_EQ(call->regions(), (std::vector<uint64_t>{kSmall, kBig}));
+}
+
+// An equal call is handed the prepared call back only while each of its
+// regions is the mapping that call was made with; every bound is checked
+// again, and both kinds of runner (meta and CUDA wrapping) agree.
+TEST_F(KernelOpsTest, PrepareAgainHandsBackTheSameCallOnlyWhileItsRegionsAreTheSame) {
+  for (const bool meta : {true, false}) {
+    SCOPED_TRACE(meta ? "meta" : "cuda");
+    FakeRegions regions;
+    const CallRequest req = PerTokenQuant(QuantIn(), QuantOut());
+    std::unique_ptr<PreparedCall> first;
+    ASSERT_TRUE(Runner(meta).Prepare(req, regions, &first).ok());
+    const std::shared_ptr<PreparedCall> prepared = std::move(first);
+    std::shared_ptr<PreparedCall> again;
+    bool reused = false;
+    ASSERT_TRUE(Runner(meta).PrepareAgain(req, regions, prepared, &again, &reused).ok());
+    EXPECT_TRUE(reused);
+    EXPECT_EQ(again, prepared);
+
+    // Mapped elsewhere: prepared afresh, at the new base.
+    regions.Set(kBig, {reinterpret_cast<void*>(0x7f0000600000), 1 << 20, 0});
+    ASSERT_TRUE(Runner(meta).PrepareAgain(req, regions, prepared, &again, &reused).ok());
+    EXPECT_FALSE(reused);
+    ASSERT_NE(again, nullptr);
+    EXPECT_NE(again, prepared);
+
+    // The same base but too small for the output view: the bound is checked again.
+    regions.Set(kBig, {reinterpret_cast<void*>(0x7f0000000000), 4096, 0});
+    Status s = Runner(meta).PrepareAgain(req, regions, prepared, &again, &reused);
+    ExpectError(s, StatusCode::kInvalidArgument, {"'out'", "region 1"});
+    EXPECT_EQ(s.reason(), Reason::kBadArgument);
+
+    // Gone: the region's reason.
+    regions.Remove(kBig);
+    s = Runner(meta).PrepareAgain(req, regions, prepared, &again, &reused);
+    ExpectError(s, StatusCode::kNotFound, {"region 1"});
+  }
 }
 
 TEST_F(KernelOpsTest, CudaWrappingNeedsNoGpu) {

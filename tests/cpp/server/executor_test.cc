@@ -449,6 +449,90 @@ TEST_F(ExecutorTest, FakedSharedDoneDoesNotReleaseRegions) {
   EXPECT_EQ(s->regions().ReleaseCompleted(), 0u);
 }
 
+// Hands back the earlier prepared call for an equal one once its regions
+// resolve (as the torch runner does while they are the same mappings), and
+// counts what the executor asks of it.
+class ReusingRunner final : public FakeRunner {
+ public:
+  Status Prepare(const CallRequest& req, const RegionResolver& regions,
+                 std::unique_ptr<PreparedCall>* out) override {
+    ++prepares;
+    return FakeRunner::Prepare(req, regions, out);
+  }
+  Status PrepareAgain(const CallRequest& req, const RegionResolver& regions,
+                      const std::shared_ptr<PreparedCall>& previous, std::shared_ptr<PreparedCall>* out,
+                      bool* reused) override {
+    ++again;
+    *reused = false;
+    for (const Arg& a : req.args) {
+      if (const auto* t = std::get_if<TensorRef>(&a)) {
+        MappedRegion r;
+        OPD_RETURN_IF_ERROR(regions.Resolve(t->region_id, &r));
+      }
+    }
+    *out = previous;
+    *reused = true;
+    return Status::Ok();
+  }
+  Status Validate(PreparedCall&) override {
+    ++validates;
+    return Status::Ok();
+  }
+  std::atomic<int> prepares{0}, again{0}, validates{0};
+};
+
+TEST_F(ExecutorTest, ACallEqualToOneOfItsLanesLastIsPreparedAgainWithoutValidate) {
+  ReusingRunner runner;
+  ExecutorOptions o;
+  o.parking_slots = 0;
+  Executor executor(&device_, &runner, &stats_, o, [](const Status&) {});
+  executor.Start();
+  auto s = NewSession(2);
+  RegionRegistry::Registered reg;
+  ASSERT_TRUE(s->regions().Register(Handle(7), 0, &reg).ok());
+  SetInputsReady(*s, 0, 100);
+  SetInputsReady(*s, 1, 100);
+  CallRequest in_region = Req(0, 0, "a");
+  TensorRef t;
+  t.region_id = reg.region_id;
+  t.dtype = DType::kFloat32;
+  in_region.args.push_back(t);
+  // Lane 0: a, a, b, a, a with other arguments, a; lane 1: a (its own).
+  struct Step {
+    uint32_t lane;
+    std::string op;
+    bool with_region;
+  };
+  const std::vector<Step> steps = {{0, "a", true},  {0, "a", true}, {0, "b", true},
+                                   {0, "a", false}, {0, "a", true}, {1, "a", true}};
+  uint64_t seq[2] = {0, 0};
+  Results r;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    CallRequest req = steps[i].with_region ? in_region : Req(0, 0, "a");
+    req.op = steps[i].op;
+    req.lane = steps[i].lane;
+    req.seq = ++seq[steps[i].lane];
+    executor.Submit(s, req, r.Slot(static_cast<int>(i)));
+    ASSERT_TRUE(r.Wait(i + 1));  // accepted before the next arrives
+    EXPECT_TRUE(r.Get(static_cast<int>(i)).ok()) << i << ": " << r.Get(static_cast<int>(i)).ToString();
+  }
+  EXPECT_EQ(runner.prepares.load(), 4);   // lane 0's a, b and argument-less a; lane 1's a
+  EXPECT_EQ(runner.again.load(), 2);      // lane 0's second a and its a after the others
+  EXPECT_EQ(runner.validates.load(), 4);  // what was prepared afresh, only
+
+  // Its region unregistered, an equal call is rejected: regions are resolved again.
+  ASSERT_TRUE(WaitUntil([&] { return s->Drained(); }));
+  bool deferred = false;
+  ASSERT_TRUE(s->regions().Unregister(reg.region_id, &deferred).ok());
+  CallRequest req = in_region;
+  req.seq = ++seq[0];
+  executor.Submit(s, req, r.Slot(100));
+  ASSERT_TRUE(r.Wait(steps.size() + 1));
+  EXPECT_EQ(r.Get(100).reason(), Reason::kRegionUnknown) << r.Get(100).ToString();
+  EXPECT_EQ(runner.again.load(), 3);
+  executor.Stop();
+}
+
 double CpuSeconds() {
   timespec ts;
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
