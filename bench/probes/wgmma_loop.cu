@@ -246,8 +246,18 @@ int main(int argc, char** argv) {
         return 2;
       }
       std::sscanf(arg.c_str() + name.size(), ":%d:%d", &r.cluster, &r.consumers);
+      if ((r.cluster != 1 && r.cluster != 2) || (r.consumers != 1 && r.consumers != 2)) {
+        std::fprintf(stderr, "'%s': CLUSTER and CONSUMERS are 1 or 2, got %d and %d\n", arg.c_str(), r.cluster,
+                     r.consumers);
+        return 2;
+      }
       runs.push_back(r);
     }
+  }
+  if (stages < 1 || reps < 1 || tile_stages < 0) {
+    std::fprintf(stderr, "--stages %d and --reps %d must be >= 1, --tile-stages %d >= 0\n", stages, reps,
+                 tile_stages);
+    return 2;
   }
   if (runs.empty()) {
     for (int p = 0; p < kProbes; ++p) runs.push_back({p, 2, 2});

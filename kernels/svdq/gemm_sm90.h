@@ -49,9 +49,10 @@ struct Schedule {
   // scale products ascale x wscale (a TF32 MMA, k 0 only), so the rescale is
   // one FFMA per output instead of an FMUL, an FFMA and the scale loads
   // (the same bits where the product is a normal fp32 number; kernels/svdq/
-  // sm90_mainloop.cuh consume()). Measured against 1 in one run, GEMM time:
-  // 2 is 1.04-1.11x at six of the benchmark's seven shapes, 0.98x at
-  // 4608 x 3072 x 12288 (H100, bench/results/2026-12-05-h100-svdq-scalemma.md);
+  // sm90_mainloop.cuh consume()). Measured against 1, same run each time,
+  // GEMM time at M = 4608 in three runs: 2 is 1.03-1.11x, level at
+  // 3072 x 12288, 0.98x at one shape in two of the runs (H100,
+  // bench/results/2026-12-05-h100-svdq-epilogue.md);
   // 1 was 1.07-1.15x 0 (H200, 2026-12-05-h200-svdq-step.md).
   // CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-overlap select the others.
   int loop = 2;

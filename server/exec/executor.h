@@ -383,7 +383,7 @@ class Executor {
   std::map<Lane*, LaneQueue> queues_;  // executor thread only
   std::vector<Awaiting> awaiting_;     // executor thread only
   std::map<Lane*, Parked> parked_;     // executor thread only
-  std::map<const Lane*, LaneCalls> accepted_;  // executor thread only; a dropped session's go
+  std::map<const Lane*, LaneCalls> accepted_;  // executor thread only; erased with their session (Drop)
   std::vector<std::shared_ptr<CallSource>> rings_;  // executor thread only
   std::atomic<size_t> parked_count_{0};
   std::atomic<uint64_t> busy_ns_{0};  // written by the executor thread only
