@@ -43,6 +43,9 @@
 namespace {
 
 using namespace cache_dit::svdq::sm90;
+#ifdef CACHE_DIT_SM90A_PTX
+using namespace cache_dit::svdq::sm90::ptx;
+#endif
 using cache_dit::svdq::epilogue;
 
 enum Probe : int {

@@ -25,6 +25,10 @@
 namespace cache_dit::svdq::sm90 {
 namespace {
 
+#ifdef CACHE_DIT_SM90A_PTX
+using namespace ptx;  // the kernel's PTX wrappers (kernels/svdq/sm90_ptx.cuh)
+#endif
+
 // kCluster 1: one CTA per 128 x 128 tile. kCluster 2: clusters of two CTAs
 // on neighbouring column tiles of the same rows, each copying half of the
 // shared activation tile to both (TMA multicast), so a CTA reads 24 KB of a
@@ -213,16 +217,19 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int loop = std::clamp(schedule.loop, 0, 2);
+  // The scale-MMA loop reads the weight scales as 16-byte rows (w, 0, 0, 0)
+  // (Smem<kScaleMma>); the others as fp32 in the packed order.
+  const bool scale_rows = loop == kScaleMma;
   // Scratch from the caching allocator, on this stream: e4m3 weights and fp32
   // scales (kScaleMma: 16-byte rows, scale_rows_kernel).
   at::Tensor wq8 = at::empty({n, k}, act.options().dtype(at::kByte));
-  at::Tensor ws32 = at::empty({groups * n * (loop == kScaleMma ? 4 : 1)}, act.options().dtype(at::kFloat));
+  at::Tensor ws32 = at::empty({groups * n * (scale_rows ? 4 : 1)}, act.options().dtype(at::kFloat));
   const int64_t units = n * k / 8;
   expand_wgt_kernel<<<static_cast<unsigned>(cuda::ceil_div(units, 256)), 256, 0, stream>>>(
       static_cast<const uint32_t*>(wgt.data_ptr()), static_cast<uint2*>(wq8.data_ptr()), n, k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto grid = static_cast<unsigned>(cuda::ceil_div(groups * n, 256));
-  if (loop == kScaleMma) {
+  if (scale_rows) {
     scale_rows_kernel<T><<<grid, 256, 0, stream>>>(reinterpret_cast<const T*>(wscales.data_ptr()),
                                                    static_cast<float4*>(ws32.data_ptr()), groups * n, groups);
   } else {
@@ -241,7 +248,7 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
                                        CU_TENSOR_MAP_SWIZZLE_NONE);
   // A stage's two groups of scales: two rows of 128 floats, or (kScaleMma)
   // four of 256 (a box row holds at most 256 elements).
-  const int64_t ws_row = loop == kScaleMma ? 2 * kBN : kBN, ws_rows = loop == kScaleMma ? 4 : 2;
+  const int64_t ws_row = scale_rows ? 2 * kBN : kBN, ws_rows = scale_rows ? 4 : 2;
   const CUtensorMap tm_ws = tensor_map(ws32.data_ptr(), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, ws_row,
                                        ws32.numel() / ws_row, ws_row, ws_rows, CU_TENSOR_MAP_SWIZZLE_NONE);
   using Kernel = decltype(&gemm_kernel<T, Out, 1, 0>);
@@ -249,7 +256,7 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
       {gemm_kernel<T, Out, 1, 0>, gemm_kernel<T, Out, 1, 1>, gemm_kernel<T, Out, 1, 2>},
       {gemm_kernel<T, Out, 2, 0>, gemm_kernel<T, Out, 2, 1>, gemm_kernel<T, Out, 2, 2>}};
   const Kernel kernel = kernels[cluster - 1][loop];
-  const size_t smem_bytes = loop == kScaleMma ? kSmemBytes<kScaleMma> : kSmemBytes<kOverlap>;
+  const size_t smem_bytes = scale_rows ? kSmemBytes<kScaleMma> : kSmemBytes<kOverlap>;
   static std::atomic<uint64_t> devices[2][3]{};  // per instantiation
   cuda::allow_dynamic_smem(kernel, static_cast<int>(smem_bytes), devices[cluster - 1][loop]);
 

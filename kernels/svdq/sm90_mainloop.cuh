@@ -54,7 +54,6 @@ inline constexpr size_t kSmemBytes = sizeof(Smem<kLoop>) + 1024;  // + alignment
 static_assert(kSmemBytes<kScaleMma> <= 227 * 1024);
 
 #ifdef CACHE_DIT_SM90A_PTX
-using namespace ptx;
 
 template <int kLoop>
 inline constexpr uint32_t kStageTxBytes =
@@ -78,15 +77,15 @@ __device__ __forceinline__ float scale_bits_to_float<__half>(uint16_t bits) {
 // stage is kTileBytes on, a group 64 bytes, a k32 step 32.
 __device__ __forceinline__ void group_mmas(float (&d)[64], uint64_t da, uint64_t db, int stage, int half) {
   const uint64_t step = static_cast<uint64_t>(stage * (kTileBytes >> 4) + half * (64 >> 4));
-  wgmma_e4m3<false>(d, da + step, db + step);
-  wgmma_e4m3<true>(d, da + step + (32 >> 4), db + step + (32 >> 4));
+  ptx::wgmma_e4m3<false>(d, da + step, db + step);
+  ptx::wgmma_e4m3<true>(d, da + step + (32 >> 4), db + step + (32 >> 4));
 }
 
 // group_mmas as one commit group.
 __device__ __forceinline__ void issue_group(float (&d)[64], uint64_t da, uint64_t db, int stage, int half) {
-  wgmma_fence();
+  ptx::wgmma_fence();
   group_mmas(d, da, db, stage, half);
-  wgmma_commit();
+  ptx::wgmma_commit();
 }
 
 // The kScaleMma group: the same two FP8 MMAs into d, and into sc the
@@ -97,11 +96,11 @@ __device__ __forceinline__ void issue_group(float (&d)[64], uint64_t da, uint64_
 template <typename S>
 __device__ __forceinline__ void issue_scaled_group(float (&d)[64], float (&sc)[64], uint64_t da, uint64_t db,
                                                    const S& s, int stage, int half, uint32_t a0, uint32_t a1) {
-  const uint32_t ws = smem_u32(s.ws[stage] + half * kBN * 4);
-  wgmma_fence();
+  const uint32_t ws = ptx::smem_u32(s.ws[stage] + half * kBN * 4);
+  ptx::wgmma_fence();
   group_mmas(d, da, db, stage, half);
-  wgmma_tf32_rs(sc, a0, a1, 0u, 0u, interleave_desc(ws, smem_u32(s.zeros) - ws));
-  wgmma_commit();
+  ptx::wgmma_tf32_rs(sc, a0, a1, 0u, 0u, ptx::interleave_desc(ws, ptx::smem_u32(s.zeros) - ws));
+  ptx::wgmma_commit();
 }
 
 // The activation scales of this lane's rows g and g + 8, read before the
@@ -150,9 +149,9 @@ __device__ __forceinline__ void release_slot(S& s, int stage, int lane) {
   if (lane == 0) {
     if constexpr (kCluster > 1) {
 #pragma unroll
-      for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(&s.empty[stage], c);
+      for (int c = 0; c < kCluster; ++c) ptx::mbar_arrive_cluster(&s.empty[stage], c);
     } else {
-      mbar_arrive(&s.empty[stage]);
+      ptx::mbar_arrive(&s.empty[stage]);
     }
   }
 }
@@ -177,16 +176,16 @@ template <typename T, int kCluster, int kLoop, bool kWaitFull = true, typename S
 __device__ __forceinline__ void consume(S& s, float (&acc)[64], float (&d0)[64], float (&d1)[64], uint64_t desc_a,
                                         uint64_t desc_b, int it, int wg_row, int lane) {
   const int slot = it % kStages;
-  if constexpr (kWaitFull) mbar_wait(&s.full[slot], (it / kStages) & 1);
+  if constexpr (kWaitFull) ptx::mbar_wait(&s.full[slot], (it / kStages) & 1);
   if constexpr (kLoop == kScaleMma) {
     const auto group = [&](int half) {
       const float2 as = act_scales<T>(s, slot, half, wg_row, lane);
       const bool k0 = lane % 4 == 0;  // the lanes that hold k 0 of A
       issue_scaled_group(d0, d1, desc_a, desc_b, s, slot, half, k0 ? __float_as_uint(as.x) : 0u,
                          k0 ? __float_as_uint(as.y) : 0u);
-      wgmma_wait<0>();
-      fence_acc(d0);
-      fence_acc(d1);
+      ptx::wgmma_wait<0>();
+      ptx::fence_acc(d0);
+      ptx::fence_acc(d1);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = __fmaf_rn(d0[i], d1[i], acc[i]);
     };
@@ -203,20 +202,20 @@ __device__ __forceinline__ void consume(S& s, float (&acc)[64], float (&d0)[64],
     for (int half = 0; half < 2; ++half) {
       issue_group(d0, desc_a, desc_b, slot, half);
       const float2 as = act_scales<T>(s, slot, half, wg_row, lane);
-      wgmma_wait<0>();
-      fence_acc(d0);
+      ptx::wgmma_wait<0>();
+      ptx::fence_acc(d0);
       rescale(acc, d0, s, slot, half, as, lane);
     }
   } else {
     issue_group(d0, desc_a, desc_b, slot, 0);
     issue_group(d1, desc_a, desc_b, slot, 1);
     float2 as = act_scales<T>(s, slot, 0, wg_row, lane);
-    wgmma_wait<1>();
-    fence_acc(d0);
+    ptx::wgmma_wait<1>();
+    ptx::fence_acc(d0);
     rescale(acc, d0, s, slot, 0, as, lane);
     as = act_scales<T>(s, slot, 1, wg_row, lane);
-    wgmma_wait<0>();
-    fence_acc(d1);
+    ptx::wgmma_wait<0>();
+    ptx::fence_acc(d1);
     rescale(acc, d1, s, slot, 1, as, lane);
   }
   release_slot<kCluster>(s, slot, lane);

@@ -19,9 +19,10 @@
 #   kernels-gpu     pytest tests/kernels -m gpu
 #   python-gpu      pytest tests/python -m gpu
 #   all             tests/gpu/run.sh (every suite)
-#   bench-quick     bench/run.sh --quick                 -> $OUT/bench
-# Each step's output goes to $OUT/<step>.log; its last lines and its exit
-# status are printed as it ends.
+#   bench-quick[=C[|A]]  bench/run.sh --quick, cases C (comma-separated;
+#                   default all), extra daemon flags A  -> $OUT/bench[.N]
+# Each step's output goes to $OUT/<step>[.N].log (N counts repeats of a step);
+# its last lines and its exit status are printed as it ends.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
@@ -62,12 +63,15 @@ export CACHE_DIT_OPD_BUILD_DIR="$BUILD" CACHE_DIT_OPD_REQUIRE_BUILD=1
 LIB="$BUILD/kernels/libcache_dit_cuda_ops.so"
 
 RC=0
+declare -A SEEN
 for step in "$@"; do
   name="${step%%=*}" arg=""
   [ "$name" != "$step" ] && arg="${step#*=}"
+  n=$((${SEEN[$name]:-0} + 1)) && SEEN[$name]=$n
+  tag="$name$([ "$n" -gt 1 ] && echo ".$n")"
   limit="$(left)"
   if [ "$limit" -le 10 ]; then say "$name: not started, the budget is spent"; RC=1; continue; fi
-  say "$name (up to $limit s)"
+  say "$tag (up to $limit s)"
   case "$name" in
     svdq-tests) cmd=(python3 -m pytest tests/kernels/test_svdq_gpu.py -q -rs -p no:cacheprovider) ;;
     svdq-bench) cmd=(python3 bench/svdq.py --lib "$LIB" --json "$OUT/svdq.json") ;;
@@ -77,14 +81,17 @@ for step in "$@"; do
     kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;
     python-gpu) cmd=(python3 -m pytest tests/python -m gpu -q -rs -p no:cacheprovider) ;;
     all) cmd=(env OUT="$OUT/run" tests/gpu/run.sh) ;;
-    bench-quick) cmd=(bench/run.sh --quick --build "$BUILD" --out "$OUT/bench") ;;
+    bench-quick)
+      cmd=(bench/run.sh --quick --no-readme --build "$BUILD" --out "$OUT/bench${tag#bench-quick}")
+      [ -n "${arg%%|*}" ] && cmd+=(--only "${arg%%|*}")
+      [ "$arg" != "${arg#*|}" ] && cmd+=(--daemon-args "${arg#*|}") ;;
     *) say "unknown step '$name'"; RC=2; continue ;;
   esac
   [ "$name" = svdq-bench ] && [ -n "$arg" ] && cmd+=(--schedules "$arg")
-  timeout "$limit" "${cmd[@]}" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "${cmd[@]}" > "$OUT/$tag.log" 2>&1
   rc=$?
-  tail -n 25 "$OUT/$name.log"
-  say "$name: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')"
+  tail -n 25 "$OUT/$tag.log"
+  say "$tag: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')"
   [ "$rc" -ne 0 ] && RC=1
 done
 exit "$RC"
