@@ -713,10 +713,7 @@ Status TorchCallRunner::PrepareAgain(const CallRequest& req, const RegionResolve
       return Status::Ok();
     }
   }
-  std::unique_ptr<PreparedCall> fresh;
-  Status s = Prepare(req, regions, &fresh);
-  *out = std::move(fresh);
-  return s;
+  return PrepareShared(req, regions, out);
 }
 
 // Only this runner's Prepare makes the calls handed back to it (the

@@ -49,6 +49,10 @@ class CallRunner {
                               const std::shared_ptr<PreparedCall>& /*previous*/, std::shared_ptr<PreparedCall>* out,
                               bool* reused) {
     *reused = false;
+    return PrepareShared(req, regions, out);
+  }
+  // Prepare, into the shared pointer the executor keeps a lane's calls in.
+  Status PrepareShared(const CallRequest& req, const RegionResolver& regions, std::shared_ptr<PreparedCall>* out) {
     std::unique_ptr<PreparedCall> fresh;
     Status s = Prepare(req, regions, &fresh);
     *out = std::move(fresh);

@@ -323,9 +323,7 @@ void Executor::Accept(LaneQueue& q, Item& item) {
   if (same != nullptr) {
     s = runner_->PrepareAgain(req, resolver, same->prepared, &item.prepared, &reused);
   } else {
-    std::unique_ptr<PreparedCall> fresh;
-    s = runner_->Prepare(req, resolver, &fresh);
-    item.prepared = std::move(fresh);
+    s = runner_->PrepareShared(req, resolver, &item.prepared);
   }
   if (s.ok() && !item.prepared) s = Status::Rejected(Reason::kInternal, "dispatch prepared nothing for ", req.op);
   if (s.ok() && !reused) s = runner_->Validate(*item.prepared);

@@ -70,7 +70,7 @@ for step in "$@"; do
   n=$((${SEEN[$name]:-0} + 1)) && SEEN[$name]=$n
   tag="$name$([ "$n" -gt 1 ] && echo ".$n")"
   limit="$(left)"
-  if [ "$limit" -le 10 ]; then say "$name: not started, the budget is spent"; RC=1; continue; fi
+  if [ "$limit" -le 10 ]; then say "$tag: not started, the budget is spent"; RC=1; continue; fi
   say "$tag (up to $limit s)"
   case "$name" in
     svdq-tests) cmd=(python3 -m pytest tests/kernels/test_svdq_gpu.py -q -rs -p no:cacheprovider) ;;
