@@ -194,8 +194,8 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Te
     multiply per element in the kernel where a division costs a dozen instructions), rounded to the model
     dtype; per (row, 64-group) amax of x_s; scale_f32 = amax * (1/7)
     in fp32; the stored scale is scale_f32 rounded to the model dtype; q = round_half_even(x_s * r) with
-    r = 1 / scale_f32 (IEEE fp32), saturated to [-8, 7]; an all-zero group has scale 0 and q 0. Finite x
-    only: the kernels give a NaN or infinite element the e4m3 NaN code, which int8 q cannot hold.
+    r = 1 / scale_f32 (IEEE fp32), or x_s / scale_f32 where scale_f32 is subnormal, saturated to [-8, 7]; an
+    all-zero group has scale 0 and q 0. Finite x only: the kernels give a NaN or infinite element the e4m3 NaN code, which int8 q cannot hold.
     """
     m, k = x.shape
     if k % GROUP:
@@ -205,7 +205,11 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Te
     g = xs.float().reshape(m, k // GROUP, GROUP)
     scale_f32 = g.abs().amax(dim=-1) * torch.tensor(1.0 / 7.0, dtype=torch.float32)
     recip = torch.where(scale_f32 == 0, torch.zeros_like(scale_f32), 1.0 / scale_f32)
-    q = torch.round(g * recip.unsqueeze(-1)).clamp(QMIN, QMAX)
+    # A subnormal scale has lost bits and its reciprocal may overflow (0 * inf would turn a finite group
+    # NaN): such groups divide instead (x_s / scale_f32, IEEE), then saturate like the others.
+    subnormal = ((scale_f32 > 0) & (scale_f32 < torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+    t = torch.where(subnormal, g / scale_f32.unsqueeze(-1), g * recip.unsqueeze(-1))
+    q = torch.round(t).clamp(QMIN, QMAX)
     return q.to(torch.int8).reshape(m, k), scale_f32.to(dtype)
 
 

@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -92,9 +93,12 @@ __device__ __forceinline__ uint32_t round_to2(float2 v, __half) {
 // float-to-int and an int-to-float conversion: adding and subtracting
 // 1.5 * 2^23 rounds any |t| < 2^22 to an integer, ties to even (explicit
 // _rn adds, so nothing contracts into an FMA); +-inf stays inf and saturates.
-__device__ __forceinline__ float round_clamp_q(float t) {
+__device__ __forceinline__ float round_q(float t) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
-  const float r = __fsub_rn(__fadd_rn(t, kMagic), kMagic);
+  return __fsub_rn(__fadd_rn(t, kMagic), kMagic);
+}
+__device__ __forceinline__ float round_clamp_q(float t) {
+  const float r = round_q(t);
   float q;
   asm("min.NaN.f32 %0, %1, 0f40E00000;" : "=f"(q) : "f"(r));  // 7
   asm("max.NaN.f32 %0, %1, 0fC1000000;" : "=f"(q) : "f"(q));  // -8
@@ -223,12 +227,24 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
         const float scale = __fmul_rn(amax, 1.0f / 7.0f);
         const float recip = scale == 0.f ? 0.f : __frcp_rn(scale);
         uint32_t codes[2];
+        auto encode = [&](auto quant) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // e4m3 codes (exact) of two neighbouring columns
-          const uint32_t two = __nv_cvt_float2_to_fp8x2(
-              make_float2(round_clamp_q(__fmul_rn(v[2 * j], recip)), round_clamp_q(__fmul_rn(v[2 * j + 1], recip))),
-              __NV_SATFINITE, __NV_E4M3);
-          codes[j / 2] = j % 2 == 0 ? two : codes[j / 2] | two << 16;
+          for (int j = 0; j < 4; ++j) {  // e4m3 codes (exact) of two neighbouring columns
+            const uint32_t two =
+                __nv_cvt_float2_to_fp8x2(make_float2(quant(v[2 * j]), quant(v[2 * j + 1])), __NV_SATFINITE, __NV_E4M3);
+            codes[j / 2] = j % 2 == 0 ? two : codes[j / 2] | two << 16;
+          }
+        };
+        // With a normal scale |v * recip| <= amax / scale * (1 + 2^-23)^2
+        // <= 7 (1 + 2^-21), so rounding alone lands in [-7, 7] (NaN stays
+        // NaN; a zero or infinite scale has recip 0). A subnormal scale has
+        // lost bits, and its reciprocal may be infinite (0 * inf would make a
+        // finite group NaN): those rows (8 lanes each, rare) divide and
+        // saturate instead, as the reference does.
+        if (scale > 0.f && scale < FLT_MIN) {
+          encode([&](float x) { return round_clamp_q(__fdiv_rn(x, scale)); });
+        } else {
+          encode([&](float x) { return round_q(__fmul_rn(x, recip)); });
         }
         const int64_t row = m0 + i * 4 + lane / 8;
         if (row < m_pad) {

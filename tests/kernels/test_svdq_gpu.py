@@ -116,6 +116,29 @@ def test_activation_quantizer_ties_round_to_even_and_non_finite_values_give_nan_
     assert_bitwise(outs["oscales"][:2, 1].cpu(), finite_s[:, 0])
 
 
+def test_activation_quantizer_subnormal_scales_divide_and_saturate(ops):
+    # Only bf16 reaches them: a group's scale amax / 7 is subnormal in fp32 below amax ~8e-38. Such rows
+    # divide by the scale instead of multiplying by its reciprocal (which loses bits or overflows: 0 * inf
+    # would make a finite group NaN) and saturate, while the rows beside them in the same 16-row tile take
+    # the multiply without saturation.
+    k = 256
+    x = rand(16, k, seed=5).cpu()
+    tiny = torch.finfo(BF16).smallest_normal
+    x[1] = rand(k, seed=6).cpu() * tiny * 0.5  # scales subnormal, reciprocals finite
+    x[2] = 0
+    x[2, 3], x[2, 64], x[2, 65] = 2.0 ** -133, -3 * 2.0 ** -133, 2.0 ** -133  # reciprocals overflow
+    x[3, 64:128] = x[1, 64:128]  # one subnormal group in an otherwise normal row
+    want_q, want_s = sq.quantized_act_outputs(x, None, 16)
+    outs = {"output": poisoned((16, k), FP8), "oscales": poisoned((k // 64, 16), BF16),
+            "lora_act_out": poisoned((16, 0), F32)}
+    ops.svdq_quantize_w4a4_act_fuse_lora.out(x.to(DEV), None, None, False, False, 16, **outs)
+    q = outs["output"].cpu()
+    assert not torch.isnan(q.float()).any()
+    assert q[2, [3, 64, 65, 66]].float().tolist() == [7, -7, 2, 0]
+    assert_bitwise(q, want_q)
+    assert_bitwise(outs["oscales"], want_s.to(DEV))
+
+
 def _layer(dtype, m, n, k, r, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
