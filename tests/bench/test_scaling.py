@@ -3,6 +3,7 @@ here, with the run's daemon's flags), the group runs against it, and the run's d
 
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -75,3 +76,15 @@ def test_a_phase_reports_each_executor_threads_busy_share_of_its_window():
     assert out["calls"] == 40 and out["calls_per_s"] == 20.0
     assert abs(out["executor_busy_us_per_call"] - 1.5 / 2.0 / 20.0 * 1e6) < 1e-6  # 0.75 s busy a second, 20 calls
     assert scaling.aggregate({"bound": "launch"}, rows, 0.0, 2.0, None)["executor_busy_pct"] is None
+
+
+def test_a_phase_with_a_window_of_its_own_is_measured_over_it(tmp_path):
+    # The idle phase's window is its own (the daemon's CPU counts in 10 ms ticks: a longer window reads
+    # an idle daemon finer); the group's window is for the loads.
+    cpu = iter([1.0, 1.05])
+    r = SimpleNamespace(daemon=SimpleNamespace(cpu_seconds=lambda: next(cpu), executor_busy_ns=lambda: [0]))
+    t = time.monotonic()
+    out = scaling.run_phase(r, tmp_path, 0, {"bound": "idle", "window_s": 0.2}, [], 1.0, 5.0)
+    assert 0.2 <= time.monotonic() - t < 1.0
+    assert out["window_s"] == 0.2 and abs(out["daemon_cpu_pct"] - 25.0) < 1e-9
+    assert scaling.IDLE["window_s"] > scaling.params(True, None)["window_s"]
