@@ -1,0 +1,156 @@
+// What DRAM moves for a given read : write mix, the yardstick for kernels
+// whose traffic is not a copy's. The fp8 dequantizers read 1 byte and write
+// 2 for each element (records in, bf16 out), the quantizers the reverse; both
+// are reported as a share of a device-to-device copy (1 : 1) in
+// bench/kernels.py. This probe runs the simplest kernel of each mix (16-byte
+// loads and stores, no arithmetic) and prints its bandwidth beside the copy's,
+// so a kernel can be held to its own mix's ceiling.
+//
+//   opd_traffic_probe [MiB read by the 1:1 case, default 1024]
+//
+// Every kernel moves the same read + write bytes as the copy case give or take
+// rounding, in two grid shapes: one 16-byte vector (of the read side) per
+// thread and launch-sized grid ("flat"), and a grid of resident blocks
+// striding over the data with four loads in flight per thread ("resident").
+// Bandwidth = (bytes read + bytes written) / median time of 20 launches.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    const cudaError_t e_ = (x);                                                           \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Unit i reads kR vectors in[i * kR ..] and writes kW vectors out[i * kW ..]
+// (each written vector mixes the read ones, so nothing folds away).
+template <int kR, int kW>
+__device__ __forceinline__ void unit(const uint4* __restrict__ in, uint4* __restrict__ out, long long i) {
+  uint4 v[kR];
+#pragma unroll
+  for (int r = 0; r < kR; ++r) v[r] = in[i * kR + r];
+#pragma unroll
+  for (int w = 0; w < kW; ++w) {
+    uint4 o = v[w % kR];
+    o.x ^= static_cast<unsigned>(w);
+    out[i * kW + w] = o;
+  }
+}
+
+template <int kR, int kW>
+__global__ void __launch_bounds__(kThreads) flat(const uint4* __restrict__ in, uint4* __restrict__ out, long long units) {
+  const long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < units) unit<kR, kW>(in, out, i);
+}
+
+// Four units per thread per step, their loads issued before any store.
+template <int kR, int kW>
+__global__ void __launch_bounds__(kThreads) resident(const uint4* __restrict__ in, uint4* __restrict__ out, long long units) {
+  const long long stride = static_cast<long long>(gridDim.x) * kThreads;
+  long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; i + 3 * stride < units; i += 4 * stride) {
+    uint4 v[4][kR];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int r = 0; r < kR; ++r) v[u][r] = in[(i + u * stride) * kR + r];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int w = 0; w < kW; ++w) {
+        uint4 o = v[u][w % kR];
+        o.x ^= static_cast<unsigned>(w);
+        out[(i + u * stride) * kW + w] = o;
+      }
+  }
+  for (; i < units; i += stride) unit<kR, kW>(in, out, i);
+}
+
+template <typename F>
+float median_ms(F&& launch) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> t;
+  for (int i = 0; i < 20; ++i) {
+    CHECK(cudaEventRecord(a));
+    launch();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CHECK(cudaGetLastError());
+  std::sort(t.begin(), t.end());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return t[t.size() / 2];
+}
+
+struct Mix {
+  const char* name;
+  int r, w;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long long mib = argc > 1 ? std::atoll(argv[1]) : 1024;
+  // The 1:1 case reads `mib`; the others move the same total (read + write).
+  const long long total = 2 * (mib << 20);
+  uint4 *in = nullptr, *out = nullptr;
+  CHECK(cudaMalloc(&in, total));
+  CHECK(cudaMalloc(&out, total));
+  CHECK(cudaMemset(in, 1, total));
+  int sms = 0, per_sm = 0, dev = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, dev));
+
+  const double memcpy_ms = median_ms([&] { CHECK(cudaMemcpyAsync(out, in, total / 2, cudaMemcpyDeviceToDevice)); });
+  const double memcpy_gbs = total / memcpy_ms / 1e6;
+  std::printf("%s, %d SMs; %lld MiB moved per case (read + write)\n", prop.name, sms, total >> 20);
+  std::printf("cudaMemcpyAsync device to device: %.0f GB/s (read + write)\n\n", memcpy_gbs);
+  std::printf("| read : write | grid | GB/s (read + write) | of cudaMemcpy |\n| --- | --- | ---: | ---: |\n");
+
+  const Mix mixes[] = {{"1 : 1", 1, 1}, {"1 : 2", 1, 2}, {"2 : 1", 2, 1}};
+  for (const Mix& m : mixes) {
+    const long long units = total / 16 / (m.r + m.w);
+    const double bytes = 16.0 * units * (m.r + m.w);
+    auto run = [&](auto kernel, bool is_resident) {
+      long long blocks = (units + kThreads - 1) / kThreads;
+      if (is_resident) {
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+        blocks = std::min<long long>(blocks, static_cast<long long>(per_sm) * sms);
+      }
+      const double ms = median_ms([&] { kernel<<<static_cast<unsigned>(blocks), kThreads>>>(in, out, units); });
+      const double gbs = bytes / ms / 1e6;
+      std::printf("| %s | %s | %.0f | %.0f%% |\n", m.name, is_resident ? "resident" : "flat", gbs,
+                  100.0 * gbs / memcpy_gbs);
+    };
+    if (m.w == 2) {
+      run(flat<1, 2>, false), run(resident<1, 2>, true);
+    } else if (m.r == 2) {
+      run(flat<2, 1>, false), run(resident<2, 1>, true);
+    } else {
+      run(flat<1, 1>, false), run(resident<1, 1>, true);
+    }
+  }
+  CHECK(cudaFree(in));
+  CHECK(cudaFree(out));
+  return 0;
+}
