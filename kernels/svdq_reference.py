@@ -195,7 +195,8 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Te
     dtype; per (row, 64-group) amax of x_s; scale_f32 = amax * (1/7)
     in fp32; the stored scale is scale_f32 rounded to the model dtype; q = round_half_even(x_s * r) with
     r = 1 / scale_f32 (IEEE fp32), or x_s / scale_f32 where scale_f32 is subnormal, saturated to [-8, 7]; an
-    all-zero group has scale 0 and q 0. Finite x only: the kernels give a NaN or infinite element the e4m3 NaN code, which int8 q cannot hold.
+    all-zero group has scale 0 and q 0. Finite x only: the kernels give a NaN or infinite element the e4m3 NaN
+    code, which int8 q cannot hold.
     """
     m, k = x.shape
     if k % GROUP:

@@ -13,8 +13,8 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <atomic>
+#include <cfloat>
 #include <cstdlib>
 #include <string>
 
