@@ -71,14 +71,8 @@
 #include <thread>
 #include <vector>
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "probe_check.h"
+
 #define CU(x)                                                                          \
   do {                                                                                 \
     CUresult r_ = (x);                                                                 \
@@ -114,23 +108,23 @@ static CUdeviceptr MapHost(void* p, size_t bytes) {
 static int Isolation(int connections, int streams, int parked) {
   // parked = k parks waits on streams 0..k-1 (k >= 1).
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(connections).c_str(), 1);
-  CK(cudaSetDevice(0));
-  CK(cudaFree(nullptr));
+  PROBE_CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaFree(nullptr));
   std::vector<cudaStream_t> s(streams);
-  for (auto& x : s) CK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  for (auto& x : s) PROBE_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
   void* page = nullptr;
   if (posix_memalign(&page, 4096, 4096) != 0) return 1;
   std::memset(page, 0, 4096);
   CUdeviceptr sem = MapHost(page, 4096);
   int* counter = nullptr;
-  CK(cudaMalloc(&counter, sizeof(int)));
+  PROBE_CHECK(cudaMalloc(&counter, sizeof(int)));
   std::fprintf(stderr, "isolation: parking\n");
   for (int i = 0; i < parked; ++i) {
     CU(cuStreamWaitValue64(reinterpret_cast<CUstream>(s[i]), sem, 1, CU_STREAM_WAIT_VALUE_GEQ));
   }
   std::fprintf(stderr, "isolation: parked, launching\n");
   for (int i = parked; i < streams; ++i) Touch<<<1, 1, 0, s[i]>>>(counter);
-  CK(cudaGetLastError());
+  PROBE_CHECK(cudaGetLastError());
   std::fprintf(stderr, "isolation: launched\n");
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::string blocked;
@@ -156,7 +150,7 @@ static int Isolation(int connections, int streams, int parked) {
   std::fflush(stdout);
   if (!released) {
     cudaStream_t extra;
-    CK(cudaStreamCreateWithFlags(&extra, cudaStreamNonBlocking));
+    PROBE_CHECK(cudaStreamCreateWithFlags(&extra, cudaStreamNonBlocking));
     CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(extra), sem, 2, 0));
     until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     while (!(released = cudaStreamQuery(s[parked - 1]) == cudaSuccess) && std::chrono::steady_clock::now() < until) {
@@ -166,7 +160,7 @@ static int Isolation(int connections, int streams, int parked) {
     std::fflush(stdout);
     if (!released) _exit(3);
   }
-  CK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaDeviceSynchronize());
   return 0;
 }
 
@@ -207,29 +201,29 @@ static void Spin(const std::atomic<uint64_t>& a, uint64_t v) {
 constexpr size_t kCopyBytes = 7u << 20;
 
 static int Daemon(Shared* sh, int calls) {
-  CK(cudaSetDevice(0));
-  CK(cudaFree(nullptr));
+  PROBE_CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaFree(nullptr));
   CUdeviceptr sem = MapHost(sh->sem, sizeof(sh->sem));
   CUdeviceptr in = sem, done = sem + 64 * 8;
   cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  PROBE_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   int4 *a, *b;
-  CK(cudaMalloc(&a, kCopyBytes));
-  CK(cudaMalloc(&b, kCopyBytes));
+  PROBE_CHECK(cudaMalloc(&a, kCopyBytes));
+  PROBE_CHECK(cudaMalloc(&b, kCopyBytes));
   std::vector<cudaEvent_t> done_ev(calls), in_ev(calls);
   for (int i = 0; i < calls; ++i) {
-    CK(cudaEventCreateWithFlags(&done_ev[i], cudaEventDisableTiming | cudaEventInterprocess));
-    CK(cudaIpcGetEventHandle(&sh->done_ev[i], done_ev[i]));
+    PROBE_CHECK(cudaEventCreateWithFlags(&done_ev[i], cudaEventDisableTiming | cudaEventInterprocess));
+    PROBE_CHECK(cudaIpcGetEventHandle(&sh->done_ev[i], done_ev[i]));
   }
   void* dev_sem = nullptr;
-  CK(cudaMalloc(&dev_sem, 1 << 21));
-  CK(cudaMemset(dev_sem, 0, 1 << 21));
-  CK(cudaDeviceSynchronize());
-  CK(cudaIpcGetMemHandle(&sh->dev_sem, dev_sem));
+  PROBE_CHECK(cudaMalloc(&dev_sem, 1 << 21));
+  PROBE_CHECK(cudaMemset(dev_sem, 0, 1 << 21));
+  PROBE_CHECK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaIpcGetMemHandle(&sh->dev_sem, dev_sem));
   const CUdeviceptr dev_in = reinterpret_cast<CUdeviceptr>(dev_sem), dev_done = dev_in + 512;
   sh->handles_ready.store(1, std::memory_order_release);
   Spin(sh->handles_ready, 2);
-  for (int i = 0; i < calls; ++i) CK(cudaIpcOpenEventHandle(&in_ev[i], sh->in_ev[i]));
+  for (int i = 0; i < calls; ++i) PROBE_CHECK(cudaIpcOpenEventHandle(&in_ev[i], sh->in_ev[i]));
   const size_t n = kCopyBytes / sizeof(int4);
   for (uint64_t r = 1;; ++r) {
     Spin(sh->round, r);
@@ -243,61 +237,61 @@ static int Daemon(Shared* sh, int calls) {
         CU(cuStreamWaitValue64(reinterpret_cast<CUstream>(st), mode == kSemDev ? dev_in : in, seq,
                                CU_STREAM_WAIT_VALUE_GEQ));
       } else {
-        CK(cudaStreamWaitEvent(st, in_ev[i], 0));
+        PROBE_CHECK(cudaStreamWaitEvent(st, in_ev[i], 0));
       }
       Copy<<<264, 512, 0, st>>>(a, b, n);
       if (DaemonWritesSem(mode)) {
         CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(st), mode == kSemDev ? dev_done : done, seq, 0));
       } else {
-        CK(cudaEventRecord(done_ev[i], st));
+        PROBE_CHECK(cudaEventRecord(done_ev[i], st));
       }
       sh->launched.store(seq, std::memory_order_release);
     }
     sh->round_done.store(r, std::memory_order_release);
   }
-  CK(cudaStreamSynchronize(st));
+  PROBE_CHECK(cudaStreamSynchronize(st));
   return 0;
 }
 
 static int Client(Shared* sh, int calls) {
-  CK(cudaSetDevice(0));
-  CK(cudaFree(nullptr));
+  PROBE_CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaFree(nullptr));
   CUdeviceptr sem = MapHost(sh->sem, sizeof(sh->sem));
   CUdeviceptr in = sem, done = sem + 64 * 8, gate = sem + 128 * 8;
   cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  PROBE_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   std::vector<cudaEvent_t> in_ev(calls), done_ev(calls);
   for (int i = 0; i < calls; ++i) {
-    CK(cudaEventCreateWithFlags(&in_ev[i], cudaEventDisableTiming | cudaEventInterprocess));
-    CK(cudaIpcGetEventHandle(&sh->in_ev[i], in_ev[i]));
+    PROBE_CHECK(cudaEventCreateWithFlags(&in_ev[i], cudaEventDisableTiming | cudaEventInterprocess));
+    PROBE_CHECK(cudaIpcGetEventHandle(&sh->in_ev[i], in_ev[i]));
   }
   Spin(sh->handles_ready, 1);
-  for (int i = 0; i < calls; ++i) CK(cudaIpcOpenEventHandle(&done_ev[i], sh->done_ev[i]));
+  for (int i = 0; i < calls; ++i) PROBE_CHECK(cudaIpcOpenEventHandle(&done_ev[i], sh->done_ev[i]));
   void* dev_sem = nullptr;
-  CK(cudaIpcOpenMemHandle(&dev_sem, sh->dev_sem, cudaIpcMemLazyEnablePeerAccess));
+  PROBE_CHECK(cudaIpcOpenMemHandle(&dev_sem, sh->dev_sem, cudaIpcMemLazyEnablePeerAccess));
   const CUdeviceptr dev_in = reinterpret_cast<CUdeviceptr>(dev_sem), dev_done = dev_in + 512;
   sh->handles_ready.store(2, std::memory_order_release);
   cudaEvent_t t0, t1;
-  CK(cudaEventCreate(&t0));
-  CK(cudaEventCreate(&t1));
+  PROBE_CHECK(cudaEventCreate(&t0));
+  PROBE_CHECK(cudaEventCreate(&t1));
 
   // Local baseline: the copy back to back on one stream, behind the gate.
   int4 *a, *b;
-  CK(cudaMalloc(&a, kCopyBytes));
-  CK(cudaMalloc(&b, kCopyBytes));
+  PROBE_CHECK(cudaMalloc(&a, kCopyBytes));
+  PROBE_CHECK(cudaMalloc(&b, kCopyBytes));
   const size_t n = kCopyBytes / sizeof(int4);
   uint64_t gate_value = 0;
   auto* gate_word = reinterpret_cast<std::atomic<uint64_t>*>(&sh->sem[128]);
   for (int rep = 0; rep < 3; ++rep) {
     ++gate_value;
     Gate<<<1, 1, 0, st>>>(reinterpret_cast<const volatile uint64_t*>(gate), gate_value);
-    CK(cudaEventRecord(t0, st));
+    PROBE_CHECK(cudaEventRecord(t0, st));
     for (int i = 0; i < calls; ++i) Copy<<<264, 512, 0, st>>>(a, b, n);
-    CK(cudaEventRecord(t1, st));
+    PROBE_CHECK(cudaEventRecord(t1, st));
     gate_word->store(gate_value, std::memory_order_release);
-    CK(cudaStreamSynchronize(st));
+    PROBE_CHECK(cudaStreamSynchronize(st));
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, t0, t1));
+    PROBE_CHECK(cudaEventElapsedTime(&ms, t0, t1));
     std::printf("timeline mode=local rep=%d us_per_call=%.2f\n", rep, 1000.0 * ms / calls);
     std::fflush(stdout);
   }
@@ -310,14 +304,14 @@ static int Client(Shared* sh, int calls) {
       sh->mode.store(mode);
       sh->round.store(round, std::memory_order_release);
       Gate<<<1, 1, 0, st>>>(reinterpret_cast<const volatile uint64_t*>(gate), gate_value);
-      CK(cudaEventRecord(t0, st));
+      PROBE_CHECK(cudaEventRecord(t0, st));
       const uint64_t base = (round - 1) * calls;
       for (int i = 0; i < calls; ++i) {
         const uint64_t seq = base + i + 1;
         if (DaemonWaitsSem(mode)) {
           CU(cuStreamWriteValue64(reinterpret_cast<CUstream>(st), mode == kSemDev ? dev_in : in, seq, 0));
         } else {
-          CK(cudaEventRecord(in_ev[i], st));
+          PROBE_CHECK(cudaEventRecord(in_ev[i], st));
         }
         sh->posted.store(seq, std::memory_order_release);
         if (mode == kSemNoWait) {
@@ -329,15 +323,15 @@ static int Client(Shared* sh, int calls) {
                                  CU_STREAM_WAIT_VALUE_GEQ));
         } else {
           Spin(sh->launched, seq);  // the daemon's record exists: the wait binds to it
-          CK(cudaStreamWaitEvent(st, done_ev[i], 0));
+          PROBE_CHECK(cudaStreamWaitEvent(st, done_ev[i], 0));
         }
       }
-      CK(cudaEventRecord(t1, st));
+      PROBE_CHECK(cudaEventRecord(t1, st));
       Spin(sh->round_done, round);
       gate_word->store(gate_value, std::memory_order_release);
-      CK(cudaStreamSynchronize(st));
+      PROBE_CHECK(cudaStreamSynchronize(st));
       float ms = 0;
-      CK(cudaEventElapsedTime(&ms, t0, t1));
+      PROBE_CHECK(cudaEventElapsedTime(&ms, t0, t1));
       std::printf("timeline mode=%s rep=%d us_per_call=%.2f\n", ModeName(mode), rep, 1000.0 * ms / calls);
       std::fflush(stdout);
     }
@@ -371,16 +365,16 @@ static double EnqueueUs(cudaStream_t s, int n, F body) {
     const auto t0 = Clock::now();
     for (int i = 0; i < batch; ++i) body(done + i + 1);
     total += Clock::now() - t0;
-    CK(cudaStreamSynchronize(s));
+    PROBE_CHECK(cudaStreamSynchronize(s));
     done += batch;
   }
   return std::chrono::duration<double, std::micro>(total).count() / n;
 }
 
 static int HostCost(int n) {
-  CK(cudaSetDevice(0));
+  PROBE_CHECK(cudaSetDevice(0));
   cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  PROBE_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CUstream cs = reinterpret_cast<CUstream>(s);
   void* page = nullptr;
   if (posix_memalign(&page, 4096, 4096) != 0) return 1;
@@ -389,9 +383,9 @@ static int HostCost(int n) {
   const CUdeviceptr ready = base, done = base + 64, completed = base + 128;
   reinterpret_cast<std::atomic<uint64_t>*>(page)->store(~0ull >> 1);  // every wait is already satisfied
   int* counter = nullptr;
-  CK(cudaMalloc(&counter, sizeof(int)));
+  PROBE_CHECK(cudaMalloc(&counter, sizeof(int)));
   cudaEvent_t ev;
-  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  PROBE_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   auto write2_batched = [&](uint64_t v) {
     CUstreamBatchMemOpParams ops[2] = {};
     for (int i = 0; i < 2; ++i) {
@@ -421,7 +415,7 @@ static int HostCost(int n) {
     rows.push_back({"cuStreamWaitValue64 (satisfied)", EnqueueUs(s, n, wait)});
     rows.push_back({"two writes, two calls", EnqueueUs(s, n, write2)});
     rows.push_back({"two writes, one cuStreamBatchMemOp", EnqueueUs(s, n, write2_batched)});
-    rows.push_back({"cudaEventRecord", EnqueueUs(s, n, [&](uint64_t) { CK(cudaEventRecord(ev, s)); })});
+    rows.push_back({"cudaEventRecord", EnqueueUs(s, n, [&](uint64_t) { PROBE_CHECK(cudaEventRecord(ev, s)); })});
     rows.push_back({"cudaGetLastError", EnqueueUs(s, n, [&](uint64_t) { (void)cudaGetLastError(); })});
     rows.push_back({"call: wait, launch, two writes", EnqueueUs(s, n, [&](uint64_t v) {
                       wait(v);
@@ -439,14 +433,14 @@ static int HostCost(int n) {
                     })});
   }
   for (const Row& r : rows) std::printf("hostcost %-45s %7.2f us\n", r.what, r.us);
-  CK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaDeviceSynchronize());
   return 0;
 }
 
 static int Threads(int n) {
   using Clock = std::chrono::steady_clock;
-  CK(cudaSetDevice(0));
-  CK(cudaFree(nullptr));
+  PROBE_CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaFree(nullptr));
   constexpr int kMaxThreads = 8;
   struct Lane {
     cudaStream_t s;
@@ -456,8 +450,8 @@ static int Threads(int n) {
   };
   std::vector<Lane> lanes(kMaxThreads);
   for (Lane& l : lanes) {
-    CK(cudaStreamCreateWithFlags(&l.s, cudaStreamNonBlocking));
-    CK(cudaMalloc(&l.counter, sizeof(int)));
+    PROBE_CHECK(cudaStreamCreateWithFlags(&l.s, cudaStreamNonBlocking));
+    PROBE_CHECK(cudaMalloc(&l.counter, sizeof(int)));
     if (posix_memalign(&l.page, 4096, 4096) != 0) return 1;
     std::memset(l.page, 0, 4096);
     l.words = MapHost(l.page, 4096);
@@ -476,7 +470,7 @@ static int Threads(int n) {
   for (Lane& l : lanes) {  // warm up every stream
     for (int i = 0; i < 256; ++i) call(l, i + 1);
   }
-  CK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaDeviceSynchronize());
   for (int threads : {1, 2, 4, 8}) {
     std::atomic<int> ready{0};
     std::atomic<bool> go{false};
@@ -489,7 +483,7 @@ static int Threads(int n) {
     };
     for (int t = 0; t < threads; ++t) {
       pool.emplace_back([&, t] {
-        CK(cudaSetDevice(0));
+        PROBE_CHECK(cudaSetDevice(0));
         Lane& l = lanes[t];
         ready.fetch_add(1);
         while (!go.load()) {
@@ -498,7 +492,7 @@ static int Threads(int n) {
         for (int i = 0; i < n; ++i) {
           call(l, i + 1);
           // The GPU drains as it goes; a full stream queue would time the queue, not the host.
-          if (i % 512 == 511) CK(cudaStreamSynchronize(l.s));
+          if (i % 512 == 511) PROBE_CHECK(cudaStreamSynchronize(l.s));
         }
         us[t] = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / n;
       });
@@ -506,7 +500,7 @@ static int Threads(int n) {
     const auto t0 = start();
     for (std::thread& th : pool) th.join();
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    CK(cudaDeviceSynchronize());
+    PROBE_CHECK(cudaDeviceSynchronize());
     double worst = 0;
     for (double u : us) worst = std::max(worst, u);
     std::printf("threads %d: %.0f calls/s in all, host time per call %.2f us (slowest thread)\n", threads,

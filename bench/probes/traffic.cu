@@ -20,14 +20,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    const cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "probe_check.h"
 
 namespace {
 
@@ -49,14 +42,16 @@ __device__ __forceinline__ void unit(const uint4* __restrict__ in, uint4* __rest
 }
 
 template <int kR, int kW>
-__global__ void __launch_bounds__(kThreads) flat(const uint4* __restrict__ in, uint4* __restrict__ out, long long units) {
+__global__ void __launch_bounds__(kThreads)
+    flat(const uint4* __restrict__ in, uint4* __restrict__ out, long long units) {
   const long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < units) unit<kR, kW>(in, out, i);
 }
 
 // Four units per thread per step, their loads issued before any store.
 template <int kR, int kW>
-__global__ void __launch_bounds__(kThreads) resident(const uint4* __restrict__ in, uint4* __restrict__ out, long long units) {
+__global__ void __launch_bounds__(kThreads)
+    resident(const uint4* __restrict__ in, uint4* __restrict__ out, long long units) {
   const long long stride = static_cast<long long>(gridDim.x) * kThreads;
   long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
   for (; i + 3 * stride < units; i += 4 * stride) {
@@ -80,23 +75,23 @@ __global__ void __launch_bounds__(kThreads) resident(const uint4* __restrict__ i
 template <typename F>
 float median_ms(F&& launch) {
   cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
+  PROBE_CHECK(cudaEventCreate(&a));
+  PROBE_CHECK(cudaEventCreate(&b));
   for (int i = 0; i < 3; ++i) launch();
   std::vector<float> t;
   for (int i = 0; i < 20; ++i) {
-    CHECK(cudaEventRecord(a));
+    PROBE_CHECK(cudaEventRecord(a));
     launch();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
+    PROBE_CHECK(cudaEventRecord(b));
+    PROBE_CHECK(cudaEventSynchronize(b));
     float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
+    PROBE_CHECK(cudaEventElapsedTime(&ms, a, b));
     t.push_back(ms);
   }
-  CHECK(cudaGetLastError());
+  PROBE_CHECK(cudaGetLastError());
   std::sort(t.begin(), t.end());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
+  PROBE_CHECK(cudaEventDestroy(a));
+  PROBE_CHECK(cudaEventDestroy(b));
   return t[t.size() / 2];
 }
 
@@ -112,16 +107,17 @@ int main(int argc, char** argv) {
   // The 1:1 case reads `mib`; the others move the same total (read + write).
   const long long total = 2 * (mib << 20);
   uint4 *in = nullptr, *out = nullptr;
-  CHECK(cudaMalloc(&in, total));
-  CHECK(cudaMalloc(&out, total));
-  CHECK(cudaMemset(in, 1, total));
+  PROBE_CHECK(cudaMalloc(&in, total));
+  PROBE_CHECK(cudaMalloc(&out, total));
+  PROBE_CHECK(cudaMemset(in, 1, total));
   int sms = 0, per_sm = 0, dev = 0;
-  CHECK(cudaGetDevice(&dev));
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  PROBE_CHECK(cudaGetDevice(&dev));
+  PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop{};
-  CHECK(cudaGetDeviceProperties(&prop, dev));
+  PROBE_CHECK(cudaGetDeviceProperties(&prop, dev));
 
-  const double memcpy_ms = median_ms([&] { CHECK(cudaMemcpyAsync(out, in, total / 2, cudaMemcpyDeviceToDevice)); });
+  const double memcpy_ms =
+      median_ms([&] { PROBE_CHECK(cudaMemcpyAsync(out, in, total / 2, cudaMemcpyDeviceToDevice)); });
   const double memcpy_gbs = total / memcpy_ms / 1e6;
   std::printf("%s, %d SMs; %lld MiB moved per case (read + write)\n", prop.name, sms, total >> 20);
   std::printf("cudaMemcpyAsync device to device: %.0f GB/s (read + write)\n\n", memcpy_gbs);
@@ -134,7 +130,7 @@ int main(int argc, char** argv) {
     auto run = [&](auto kernel, bool is_resident) {
       long long blocks = (units + kThreads - 1) / kThreads;
       if (is_resident) {
-        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+        PROBE_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
         blocks = std::min<long long>(blocks, static_cast<long long>(per_sm) * sms);
       }
       const double ms = median_ms([&] { kernel<<<static_cast<unsigned>(blocks), kThreads>>>(in, out, units); });
@@ -150,7 +146,7 @@ int main(int argc, char** argv) {
       run(flat<1, 1>, false), run(resident<1, 1>, true);
     }
   }
-  CHECK(cudaFree(in));
-  CHECK(cudaFree(out));
+  PROBE_CHECK(cudaFree(in));
+  PROBE_CHECK(cudaFree(out));
   return 0;
 }

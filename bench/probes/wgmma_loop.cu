@@ -39,6 +39,7 @@
 
 #include "kernels/svdq/epilogue.cuh"
 #include "kernels/svdq/sm90_mainloop.cuh"
+#include "probe_check.h"
 
 namespace {
 
@@ -67,15 +68,6 @@ __host__ __device__ constexpr int loop_of(int probe) {
          : probe == kProbeScaleMma || probe == kProbeScaleWait || probe == kProbeScalePingPong ? kScaleMma
                                                                                                : kOverlap;
 }
-
-#define CHECK_CUDA(x)                                                                               \
-  do {                                                                                              \
-    const cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
 
 constexpr int kRank = 32;  // the epilogue's LoRA rank (the benchmark's)
 
@@ -267,32 +259,32 @@ int main(int argc, char** argv) {
     for (int p = 0; p < kProbes; ++p) runs.push_back({p, 1, 2});
   }
   cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  PROBE_CHECK(cudaGetDeviceProperties(&prop, 0));
   const int ctas = prop.multiProcessorCount / 2 * 2;
   float* sink = nullptr;
   long long* cycles = nullptr;
-  CHECK_CUDA(cudaMalloc(&sink, sizeof(float) * ctas * kThreads));
-  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * ctas));
+  PROBE_CHECK(cudaMalloc(&sink, sizeof(float) * ctas * kThreads));
+  PROBE_CHECK(cudaMalloc(&cycles, sizeof(long long) * ctas));
   // Epilogue operands, zero-filled (their values do not change its time).
   const size_t n_cols = static_cast<size_t>(ctas) * kBN;
   __nv_bfloat16 *bias = nullptr, *up = nullptr, *out = nullptr;
   float* lora_act = nullptr;
-  CHECK_CUDA(cudaMalloc(&bias, sizeof(__nv_bfloat16) * n_cols));
-  CHECK_CUDA(cudaMalloc(&up, sizeof(__nv_bfloat16) * n_cols * kRank));
-  CHECK_CUDA(cudaMalloc(&out, sizeof(__nv_bfloat16) * n_cols * kBM));
-  CHECK_CUDA(cudaMalloc(&lora_act, sizeof(float) * kBM * kRank));
-  CHECK_CUDA(cudaMemset(bias, 0, sizeof(__nv_bfloat16) * n_cols));
-  CHECK_CUDA(cudaMemset(up, 0, sizeof(__nv_bfloat16) * n_cols * kRank));
-  CHECK_CUDA(cudaMemset(lora_act, 0, sizeof(float) * kBM * kRank));
+  PROBE_CHECK(cudaMalloc(&bias, sizeof(__nv_bfloat16) * n_cols));
+  PROBE_CHECK(cudaMalloc(&up, sizeof(__nv_bfloat16) * n_cols * kRank));
+  PROBE_CHECK(cudaMalloc(&out, sizeof(__nv_bfloat16) * n_cols * kBM));
+  PROBE_CHECK(cudaMalloc(&lora_act, sizeof(float) * kBM * kRank));
+  PROBE_CHECK(cudaMemset(bias, 0, sizeof(__nv_bfloat16) * n_cols));
+  PROBE_CHECK(cudaMemset(up, 0, sizeof(__nv_bfloat16) * n_cols * kRank));
+  PROBE_CHECK(cudaMemset(lora_act, 0, sizeof(float) * kBM * kRank));
   cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
+  PROBE_CHECK(cudaEventCreate(&e0));
+  PROBE_CHECK(cudaEventCreate(&e1));
   std::printf("# %s, %d CTAs, %d stages, epilogue every %d\nprobe,cluster,consumers,us,cycles_per_stage,tops\n",
               prop.name, ctas, stages, tile_stages);
   for (const Run& r : runs) {
     const Kernel kernel = kernel_for(r.probe, r.cluster);
     const int smem = static_cast<int>(loop_of(r.probe) == kScaleMma ? kSmemBytes<kScaleMma> : kSmemBytes<kOverlap>);
-    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    PROBE_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaLaunchConfig_t config{};
     cudaLaunchAttribute attribute{};
     attribute.id = cudaLaunchAttributeClusterDimension;
@@ -305,18 +297,18 @@ int main(int argc, char** argv) {
     config.numAttrs = 1;
     float best = 1e30f;
     for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
-      CHECK_CUDA(cudaEventRecord(e0));
-      CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, stages, r.consumers, tile_stages,
-                                    static_cast<const __nv_bfloat16*>(bias), static_cast<const float*>(lora_act),
-                                    static_cast<const __nv_bfloat16*>(up), out, sink, cycles));
-      CHECK_CUDA(cudaEventRecord(e1));
-      CHECK_CUDA(cudaEventSynchronize(e1));
+      PROBE_CHECK(cudaEventRecord(e0));
+      PROBE_CHECK(cudaLaunchKernelEx(&config, kernel, stages, r.consumers, tile_stages,
+                                     static_cast<const __nv_bfloat16*>(bias), static_cast<const float*>(lora_act),
+                                     static_cast<const __nv_bfloat16*>(up), out, sink, cycles));
+      PROBE_CHECK(cudaEventRecord(e1));
+      PROBE_CHECK(cudaEventSynchronize(e1));
       float ms = 0.f;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      PROBE_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       if (rep > 0) best = std::min(best, ms);
     }
     std::vector<long long> host(static_cast<size_t>(ctas));
-    CHECK_CUDA(cudaMemcpy(host.data(), cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost));
+    PROBE_CHECK(cudaMemcpy(host.data(), cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost));
     double mean = 0;
     for (long long c : host) mean += static_cast<double>(c) / ctas;
     const double ops = 2.0 * 64 * r.consumers * kBN * kBK * stages * ctas;
