@@ -31,7 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import cpp_client, kernel_case, latency, regions, report, scaling, svdq_case, throughput  # noqa: E402
+from bench import cpp_client, kernel_case, latency, mps, regions, report, scaling, svdq_case, throughput  # noqa: E402
 from bench.common import REPO, error_text, log, write_json  # noqa: E402
 from bench.daemon import Daemon, DaemonError  # noqa: E402
 from bench.runner import Runner, Settings, start_daemon  # noqa: E402
@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--scaling-window-s", type=float, help="seconds each many-process phase runs "
                                                            "(default 2.5, --quick 1)")
     ap.add_argument("--daemon-args", default="", help="extra daemon flags, one string (e.g. '--spin-us 100')")
+    ap.add_argument("--mps", action="store_true", help="run the daemon and every client under a private MPS "
+                                                        "server (bench/mps.py); results get a -mps suffix")
     ap.add_argument("--no-readme", action="store_true", help="do not update bench/README.md")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory (logs of every child)")
     args = ap.parse_args(argv)
@@ -190,8 +192,9 @@ def _interrupt(signum, _frame):
 
 
 def result_path(args, gpu: str, date: str) -> Path:
-    """<out>/<date>-<gpu>[-quick][-<cases>].json (a quick or partial run never overwrites a full one)."""
-    stem = f"{date}-{gpu_slug(gpu)}" + ("-quick" if args.quick else "") + (
+    """<out>/<date>-<gpu>[-quick][-mps][-<cases>].json (a quick, MPS or partial run never overwrites a full
+    one)."""
+    stem = f"{date}-{gpu_slug(gpu)}" + ("-quick" if args.quick else "") + ("-mps" if args.mps else "") + (
         "-" + args.only.replace(",", "+") if args.only else "")
     args.out.mkdir(parents=True, exist_ok=True)
     return args.out.resolve() / f"{stem}.json"
@@ -232,6 +235,19 @@ def publish(args, res: dict, json_path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.mps:
+        return run(args, argv, None)
+    tmp = Path(tempfile.mkdtemp(prefix="cdo-mps-", dir="/tmp"))  # the control socket's path: <= 107 bytes
+    try:
+        with mps.private_mps(tmp) as info:  # before any CUDA context, this process's included
+            return run(args, argv, info)
+    except mps.MpsError as e:
+        return fail(str(e))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args, argv, mps_info: dict | None) -> int:
     t_start = time.monotonic()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
@@ -258,6 +274,7 @@ def main(argv=None) -> int:
     try:
         res["daemon"] = start_daemon(daemon)
         res["env"] = environment(torch, args.device, lib)
+        res["env"]["mps"] = f"private server ({mps_info['cuda_mps_pipe_directory']})" if mps_info else "off"
         write_json(json_path, res)
         runner = Runner(Settings(quick=args.quick, device=args.device, build=build, lib=lib,
                                  scaling_window_s=args.scaling_window_s), daemon, tmp, deadline=t_start + budget)
