@@ -21,6 +21,8 @@
 #   all             tests/gpu/run.sh (every suite)
 #   bench-quick[=C[|A]]  bench/run.sh --quick, cases C (comma-separated;
 #                   default all), extra daemon flags A  -> $OUT/bench[.N]
+#   bench-full[=F]  bench/run.sh (the full suite) with bench/run.sh flags F
+#                   (space-separated, e.g. "--mps")      -> $OUT/bench-full[.N]
 # Each step's output goes to $OUT/<step>[.N].log (N counts repeats of a step);
 # its last lines and its exit status are printed as it ends.
 set -uo pipefail
@@ -28,7 +30,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
 BUDGET=480
 if [ "${1-}" = "--budget" ]; then BUDGET="$2"; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
 BUILD="${CACHE_DIT_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${OUT:-$BUILD/results}"
 mkdir -p "$OUT"
@@ -85,6 +87,9 @@ for step in "$@"; do
       cmd=(bench/run.sh --quick --no-readme --build "$BUILD" --out "$OUT/bench${tag#bench-quick}")
       [ -n "${arg%%|*}" ] && cmd+=(--only "${arg%%|*}")
       [ "$arg" != "${arg#*|}" ] && cmd+=(--daemon-args "${arg#*|}") ;;
+    bench-full)
+      # shellcheck disable=SC2206  # F is a list of flags
+      cmd=(bench/run.sh --no-readme --build "$BUILD" --out "$OUT/bench-full${tag#bench-full}" ${arg}) ;;
     *) say "unknown step '$name'"; RC=2; continue ;;
   esac
   [ "$name" = svdq-bench ] && [ -n "$arg" ] && cmd+=(--schedules "$arg")
