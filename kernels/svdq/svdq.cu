@@ -97,6 +97,15 @@ __device__ __forceinline__ float round_q(float t) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
   return __fsub_rn(__fadd_rn(t, kMagic), kMagic);
 }
+// IEEE 1 / s for a normal s below 2^126 (amax / 7 of any bf16 or fp16 value):
+// the reciprocal's fast path without __frcp_rn's range check, whose slow path
+// these scales never take.
+__device__ __forceinline__ float rcp_normal(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  const float e = __fmaf_rn(-s, r, 1.0f);
+  return __fmaf_rn(r, e, r);
+}
 __device__ __forceinline__ float round_clamp_q(float t) {
   const float r = round_q(t);
   float q;
@@ -225,7 +234,6 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
         amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
         amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
         const float scale = __fmul_rn(amax, 1.0f / 7.0f);
-        const float recip = scale == 0.f ? 0.f : __frcp_rn(scale);
         uint32_t codes[2];
         auto encode = [&](auto quant) {
 #pragma unroll
@@ -235,16 +243,24 @@ __global__ void __launch_bounds__(32 * kQuantWarps, kQuantBlocks)
             codes[j / 2] = j % 2 == 0 ? two : codes[j / 2] | two << 16;
           }
         };
-        // With a normal scale |v * recip| <= amax / scale * (1 + 2^-23)^2
-        // <= 7 (1 + 2^-21), so rounding alone lands in [-7, 7] (NaN stays
-        // NaN; a zero or infinite scale has recip 0). A subnormal scale has
-        // lost bits, and its reciprocal may be infinite (0 * inf would make a
-        // finite group NaN): those rows (8 lanes each, rare) divide and
-        // saturate instead, as the reference does.
-        if (scale > 0.f && scale < FLT_MIN) {
+        // With a normal scale, |v r| <= amax / scale * (1 + 2^-23)^2 <=
+        // 7 (1 + 2^-21), so rounding alone lands in [-7, 7] (NaN stays NaN).
+        // A subnormal scale has lost bits, and its reciprocal may be infinite
+        // (0 * inf would make a finite group NaN): those rows (8 lanes each,
+        // rare) divide and saturate instead, as the reference does. A zero
+        // scale (all zero or NaN) or an infinite one multiplies by 0: finite
+        // values give code 0, NaN and inf NaN.
+        if (scale >= FLT_MIN && scale <= FLT_MAX) {
+          const float recip = rcp_normal(scale);
+          // Rounded product, then rounded to an integer: an FFMA with the
+          // magic number would round once and save the multiply, but r is 1/s
+          // rounded, so a tie x / s = k + 1/2 (x = amax / 2: 3.5) would go to
+          // the odd neighbour whenever r rounded down.
+          encode([&](float x) { return round_q(__fmul_rn(x, recip)); });
+        } else if (scale > 0.f && scale < FLT_MIN) {
           encode([&](float x) { return round_clamp_q(__fdiv_rn(x, scale)); });
         } else {
-          encode([&](float x) { return round_q(__fmul_rn(x, recip)); });
+          encode([&](float x) { return round_q(__fmul_rn(x, 0.f)); });
         }
         const int64_t row = m0 + i * 4 + lane / 8;
         if (row < m_pad) {
