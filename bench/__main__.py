@@ -237,14 +237,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.mps:
         return run(args, argv, None)
-    tmp = Path(tempfile.mkdtemp(prefix="cdo-mps-", dir="/tmp"))  # the control socket's path: <= 107 bytes
+    # The control socket's path must stay under 107 bytes; the folder is left for the control daemon, which
+    # quits after this process exits (bench/mps.py).
+    tmp = Path(tempfile.mkdtemp(prefix="cdo-mps-", dir="/tmp"))
     try:
         with mps.private_mps(tmp) as info:  # before any CUDA context, this process's included
             return run(args, argv, info)
     except mps.MpsError as e:
-        return fail(str(e))
-    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        return fail(str(e))
 
 
 def run(args, argv, mps_info: dict | None) -> int:

@@ -5,6 +5,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,9 +16,11 @@ sys.path.insert(0, str(REPO))
 from bench import mps  # noqa: E402
 from bench.__main__ import main, result_path  # noqa: E402
 
-# Appends {"argv", "stdin", "pipe", "log"} to $MPS_FAKE_LOG; `-d` exits with $MPS_FAKE_RC (default 0).
+# Appends {"argv", "stdin", "pipe", "log"} to $MPS_FAKE_LOG; `-d` exits with $MPS_FAKE_RC (default 0); a
+# command read from stdin is answered after $MPS_FAKE_QUIT_S seconds (the real `quit` answers only once every
+# MPS client has exited).
 FAKE = """#!/usr/bin/env python3
-import json, os, sys
+import json, os, sys, time
 stdin = "" if "-d" in sys.argv[1:] else sys.stdin.read()
 with open(os.environ["MPS_FAKE_LOG"], "a") as f:
     f.write(json.dumps({"argv": sys.argv[1:], "stdin": stdin, "pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
@@ -25,6 +28,8 @@ with open(os.environ["MPS_FAKE_LOG"], "a") as f:
 if "-d" in sys.argv[1:] and os.environ.get("MPS_FAKE_RC", "0") != "0":
     print("An instance of this daemon is already running", file=sys.stderr)
     sys.exit(int(os.environ["MPS_FAKE_RC"]))
+if stdin:
+    time.sleep(float(os.environ.get("MPS_FAKE_QUIT_S", "0")))
 """
 
 
@@ -40,7 +45,16 @@ def fake_control(tmp_path, monkeypatch):
     monkeypatch.setenv("MPS_FAKE_LOG", str(log))
     for k in mps.ENV_KEYS:
         monkeypatch.delenv(k, raising=False)
-    return lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    def calls(at_least: int = 0) -> list[dict]:
+        """The stand-in's calls so far, waiting up to 10 s for `at_least` of them (the quit is not waited for)."""
+        deadline = time.monotonic() + 10
+        while True:
+            got = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+            if len(got) >= at_least or time.monotonic() > deadline:
+                return got
+            time.sleep(0.01)
+
+    return calls
 
 
 def test_the_run_is_an_mps_client_of_its_own_server_which_quits_at_the_end(tmp_path, fake_control):
@@ -52,7 +66,7 @@ def test_the_run_is_an_mps_client_of_its_own_server_which_quits_at_the_end(tmp_p
     assert inside["CUDA_MPS_PIPE_DIRECTORY"] == str(run_dir / "mps-pipe") == info["cuda_mps_pipe_directory"]
     assert inside["CUDA_MPS_LOG_DIRECTORY"] == str(run_dir / "mps-log")
     assert (run_dir / "mps-pipe").is_dir() and (run_dir / "mps-log").is_dir()
-    start, stop = fake_control()
+    start, stop = fake_control(2)
     assert start["pipe"] == inside["CUDA_MPS_PIPE_DIRECTORY"] and start["log"] == inside["CUDA_MPS_LOG_DIRECTORY"]
     assert stop["argv"] == [] and stop["stdin"].strip() == "quit"
     assert stop["pipe"] == start["pipe"]  # the quit reaches the same control daemon
@@ -64,9 +78,18 @@ def test_the_server_quits_and_the_environment_comes_back_when_the_run_fails(tmp_
     with pytest.raises(KeyboardInterrupt):
         with mps.private_mps(tmp_path / "run"):
             raise KeyboardInterrupt
-    assert [c["argv"] for c in fake_control()] == [["-d"], []]
+    assert [c["argv"] for c in fake_control(2)] == [["-d"], []]
     assert os.environ["CUDA_MPS_LOG_DIRECTORY"] == "/var/log/nvidia-mps"
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_leaving_does_not_wait_for_the_quit_to_be_answered(tmp_path, fake_control, monkeypatch):
+    # This process is an MPS client until it exits, so the real quit would never be answered in time.
+    monkeypatch.setenv("MPS_FAKE_QUIT_S", "30")
+    with mps.private_mps(tmp_path / "run"):
+        leaving = time.monotonic()
+    assert time.monotonic() - leaving < 10
+    assert fake_control(2)[1]["stdin"].strip() == "quit"  # sent, and the stand-in is sleeping on it
 
 
 def test_a_control_daemon_that_does_not_start_is_an_error_naming_it(tmp_path, fake_control, monkeypatch):
