@@ -36,18 +36,18 @@ def private_mps(tmp: Path):
     control = shutil.which(CONTROL)
     if control is None:
         raise MpsError(f"--mps: {CONTROL} is not on PATH (it ships with the NVIDIA driver)")
-    dirs = {"CUDA_MPS_PIPE_DIRECTORY": tmp / "mps-pipe", "CUDA_MPS_LOG_DIRECTORY": tmp / "mps-log"}
+    dirs = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
     for d in dirs.values():
-        d.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, **{k: str(v) for k, v in dirs.items()})
+        Path(d).mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, **dirs)
     started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
     if started.returncode != 0:
         raise MpsError(f"--mps: {CONTROL} -d exited with {started.returncode}: "
                        f"{(started.stderr or started.stdout).strip()[:300]}")
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
-    os.environ.update({k: str(v) for k, v in dirs.items()})
+    os.environ.update(dirs)
     try:
-        yield {"control": control, **{k.lower(): str(v) for k, v in dirs.items()}}
+        yield {"control": control, **{k.lower(): v for k, v in dirs.items()}}
     finally:
         for k, v in saved.items():
             if v is None:
