@@ -56,6 +56,10 @@ struct Schedule {
   // 1 was 1.07-1.15x 0 (H200, 2026-12-05-h200-svdq-step.md).
   // CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-overlap select the others.
   int loop = 2;
+  // Each consumer thread pulls its epilogue operands (bias, LoRA-up, its
+  // rows of lora_act) into L1 as a tile's main loop starts
+  // (prefetch_epilogue, kernels/svdq/epilogue.cuh). Not measured yet: off.
+  bool prefetch_epilogue = false;
 };
 
 // Whether this build has the sm_90a kernel and `act`'s device can run it
