@@ -8,7 +8,7 @@ shape. Rates are 2 M N K per second of each; the ratio column divides the BF16 l
 W4A4 linear's. Operands are random (packed bytes, scales): times do not depend on values.
 
     python bench/svdq.py --lib build/kernels/libcache_dit_cuda_ops.so [--json out.json] [--quick]
-                         [--schedules sm90-tile,sm90-multicast,sm90-persistent,sm90-serial,sm90-overlap,sm90-prefetch]
+                         [--schedules sm90-tile,sm90-multicast,sm90-persistent,sm90-serial,sm90-overlap,sm90-noprefetch]
 
 On sm 9.0 it also times the GEMM under each other launch schedule of the sm_90a kernel
 (``CACHE_DIT_SVDQ_GEMM``, read once per process: one child process each, same inputs by seed) and prints
@@ -148,7 +148,7 @@ def case(ops, m: int, k: int, n: int, iters: int) -> dict:
     }
 
 
-SCHEDULES = ["sm90-tile", "sm90-multicast", "sm90-persistent", "sm90-serial", "sm90-overlap", "sm90-prefetch"]
+SCHEDULES = ["sm90-tile", "sm90-multicast", "sm90-persistent", "sm90-serial", "sm90-overlap", "sm90-noprefetch"]
 
 
 def gemm_times(ops, shape_list: list[tuple[int, int, int]], iters: int) -> list[float]:
