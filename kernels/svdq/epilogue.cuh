@@ -53,31 +53,6 @@ __device__ __forceinline__ void store_row_16bit(void* row, const uint32_t (&w)[1
   }
 }
 
-// Pulls the lines epilogue() will read for this lane into L1
-// (prefetch.global.L1: no register, no wait), so that its bias and LoRA loads,
-// two dependent rounds of L2 latency with the tensor cores idle, hit L1. A
-// tile's operands are ~24 KB at rank 32 (bias 256 B, LoRA-up 8 KB, 128 rows
-// of lora_act 16 KB), within the ~28 KB of L1 the GEMM's 223 KB of shared
-// memory leave; nothing else in the main loop goes through L1.
-template <typename T>
-__device__ __forceinline__ void prefetch_epilogue(const T* __restrict__ bias, const float* __restrict__ lora_act,
-                                                  const T* __restrict__ up, int64_t row0, int n0, int m_pad,
-                                                  int rank, int lane) {
-  const auto l1 = [](const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); };
-  if (bias != nullptr && lane < 2) l1(bias + int64_t{n0} / 128 * 128 + lane * 64);  // the tile's 256 bytes
-  if (rank == 0) return;
-  for (int h = 0; h < 2; ++h) {  // rows g and g + 8: rank floats each
-    const int64_t row = row0 + 8 * h;
-    if (row >= m_pad) continue;
-    for (int b = (lane % 4) * 32; b < rank; b += 128) l1(lora_act + row * rank + b);
-  }
-  // The tile's LoRA-up: 8 column chunks x rank / 16 steps x 512 bytes, one
-  // contiguous run; lanes 0, 8, 16 and 24 take a 128-byte line of each.
-  if (lane % 8 != 0) return;
-  const T* tile_up = up + int64_t{n0} / 16 * (rank / 16) * 256;
-  for (int i = 0; i < 8 * (rank / 16); ++i) l1(tile_up + i * 256 + lane * 8);
-}
-
 // n0: the tile's first column (a multiple of 128); rows >= m_pad are not
 // read or written. bias, lora_act/up may be null (rank 0).
 template <typename T, typename Out>

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap tm_act, const __grid_constant__ CUtensorMap tm_wgt,
                 const __grid_constant__ CUtensorMap tm_as, const __grid_constant__ CUtensorMap tm_ws,
                 const float* __restrict__ lora_act, const T* __restrict__ up, const T* __restrict__ bias,
-                Out* __restrict__ out, int m_pad, int n_cols, int k_dim, int rank, bool prefetch) {
+                Out* __restrict__ out, int m_pad, int n_cols, int k_dim, int rank) {
 #ifdef CACHE_DIT_SM90A_PTX
   extern __shared__ uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array (not through an
@@ -123,15 +123,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     int it = 0;
     for (int u = first_unit; u < units; u += unit_step) {
       const int n0 = ((u % n_units) * kCluster + crank) * kBN, m0 = u / n_units * kBM;
-      // Row g (+ 8) of this warp.
-      const int64_t row0 = m0 + wg_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
-      if (prefetch) prefetch_epilogue(bias, lora_act, up, row0, n0, m_pad, rank, lane);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
       for (int st = 0; st < k_stages; ++st, ++it) {
         consume<T, kCluster, kLoop>(s, acc, d0, d1, desc_a, desc_b, it, wg_row, lane);
       }
 
+      // Row g (+ 8) of this warp.
+      const int64_t row0 = m0 + wg_row + (threadIdx.x % 128) / 32 * 16 + lane / 4;
       epilogue<T, Out>(acc, bias, lora_act, up, out, row0, n0, m_pad, n_cols, rank, lane);
     }
   }
@@ -296,7 +295,7 @@ void gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& ascale
                                     lora_up ? reinterpret_cast<const T*>(lora_up->data_ptr()) : nullptr,
                                     bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr, out,
                                     static_cast<int>(m_pad), static_cast<int>(n), static_cast<int>(k),
-                                    static_cast<int>(rank), schedule.prefetch_epilogue));
+                                    static_cast<int>(rank)));
 }
 
 #define CACHE_DIT_SVDQ_SM90_GEMM(T, Out)                                                                        \

@@ -56,14 +56,6 @@ struct Schedule {
   // 1 was 1.07-1.15x 0 (H200, 2026-12-05-h200-svdq-step.md).
   // CACHE_DIT_SVDQ_GEMM=sm90-serial / sm90-overlap select the others.
   int loop = 2;
-  // Each consumer thread pulls its epilogue operands (bias, LoRA-up, its
-  // rows of lora_act) into L1 as a tile's main loop starts
-  // (prefetch_epilogue, kernels/svdq/epilogue.cuh), so the epilogue's two
-  // dependent rounds of L2 latency hit L1. GEMM time against without, two
-  // runs on an H100 (2026-12-05 and 2026-12-06): 1.03-1.09x at K >= 12288,
-  // 1.03-1.06x at M = 1024, 0.98-1.03x at the other shapes (mean 1.02x).
-  // CACHE_DIT_SVDQ_GEMM=sm90-noprefetch turns it off.
-  bool prefetch_epilogue = true;
 };
 
 // Whether this build has the sm_90a kernel and `act`'s device can run it

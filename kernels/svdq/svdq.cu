@@ -397,8 +397,7 @@ void dispatch_half(at::ScalarType t, F&& f) {
 // another schedule than the default's (sm90::Schedule: multicast and
 // persistent, the scale-MMA main loop; "sm90", or unset), and
 // "sm90-serial" and "sm90-overlap" the default launch with another main
-// loop (Schedule::loop), "sm90-noprefetch" without the epilogue's operands
-// prefetched into L1 (Schedule::prefetch_epilogue), to be measured against it. Any other value warns
+// loop (Schedule::loop), to be measured against it. Any other value warns
 // once and is ignored.
 struct GemmChoice {
   enum class Path { kAuto, kPortable, kInt4 } path = Path::kAuto;
@@ -418,9 +417,8 @@ GemmChoice forced_gemm_path() {
     if (v == "sm90-persistent") return GemmChoice{Path::kAuto, {false, true}};
     if (v == "sm90-serial") return GemmChoice{Path::kAuto, {true, true, 0}};
     if (v == "sm90-overlap") return GemmChoice{Path::kAuto, {true, true, 1}};
-    if (v == "sm90-noprefetch") return GemmChoice{Path::kAuto, {true, true, 2, false}};
     TORCH_WARN("CACHE_DIT_SVDQ_GEMM='", v, "' is not one of portable, int4, sm90, sm90-tile, sm90-multicast, ",
-               "sm90-persistent, sm90-serial, sm90-overlap, sm90-noprefetch; ignored");
+               "sm90-persistent, sm90-serial, sm90-overlap; ignored");
     return GemmChoice{};
   }();
   return choice;

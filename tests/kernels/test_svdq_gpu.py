@@ -210,7 +210,7 @@ def test_the_other_gemm_paths_equal_this_one(ops, tmp_path, path):
     assert torch.all((mine[1][:640].double() - other[1][:640].double()).abs() <= bound)
 
 
-@pytest.mark.parametrize("schedule", ["sm90-tile", "sm90-multicast", "sm90-persistent", "sm90-serial", "sm90-overlap", "sm90-noprefetch"])
+@pytest.mark.parametrize("schedule", ["sm90-tile", "sm90-multicast", "sm90-persistent", "sm90-serial", "sm90-overlap"])
 def test_the_sm90_schedules_equal_the_default_bit_for_bit(ops, tmp_path, schedule):
     """The sm_90a kernel launched with another schedule than the default's (kernels/svdq/gemm_sm90.h: the
     default has two-CTA clusters sharing the activation tile, persistent CTAs walking the tiles, and a main

@@ -393,6 +393,11 @@ int main(int argc, char** argv) {
   char buf[4096];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   cache_dit_opd::g_self = n > 0 ? std::string(buf, n) : argv[0];
+  // As the daemon's main does before its first CUDA call (server/main.cc):
+  // eager module loading and 32 hardware work queues, which the no-stall
+  // rule counts on, so the daemon core here runs as configured in service.
+  std::vector<std::string> notes;
+  cache_dit_opd::cuda::ConfigureCudaEnvironment(&notes);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
