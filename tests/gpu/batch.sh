@@ -98,5 +98,13 @@ for step in "$@"; do
   tail -n 25 "$OUT/$tag.log"
   say "$tag: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')"
   [ "$rc" -ne 0 ] && RC=1
+  # timeout signals the step's process group; daemons its tests started in
+  # sessions of their own outlive it and would hold the GPU (and parked
+  # waits) under the next step's tests and timings.
+  if [ "$rc" -eq 124 ] && pkill -TERM -f "$BUILD/server/cache-dit-opd" 2> /dev/null; then
+    sleep 2
+    pkill -KILL -f "$BUILD/server/cache-dit-opd" 2> /dev/null
+    say "$tag: stopped the daemons it left running"
+  fi
 done
 exit "$RC"
