@@ -196,8 +196,10 @@ function(opd_cc_test)
   endif()
   target_compile_definitions(${OPD_NAME} PRIVATE ${OPD_DEFINES})
   opd_target_warnings(${OPD_NAME})
+  # A test on the GPU runs alone (ctest -j runs the others in parallel):
+  # its timing, stall and memory checks assume the device is its own.
   set(_serial FALSE)
-  if(OPD_RUN_SERIAL)
+  if(OPD_RUN_SERIAL OR "gpu" IN_LIST OPD_LABELS)
     set(_serial TRUE)
   endif()
   # PRE_TEST: listing the tests runs the binary, which for torch-side suites

@@ -111,8 +111,10 @@ say "built in $((SECONDS - START)) s"
 
 # ---- tests --------------------------------------------------------------------
 say "== ctest (all labels)"
+# In parallel, except the tests labelled gpu: each of those runs alone
+# (RUN_SERIAL, cmake/OpdTargets.cmake).
 # shellcheck disable=SC2086 # word splitting of the extra arguments is intended
-ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error ${CACHE_DIT_GPU_CTEST_ARGS-} \
+ctest --test-dir "$BUILD_DIR" -j "$(nproc)" --output-on-failure --no-tests=error ${CACHE_DIT_GPU_CTEST_ARGS-} \
   --output-junit "$RESULTS/ctest.xml" 2>&1 | tee "$RESULTS/ctest.log"
 CTEST_RC=${PIPESTATUS[0]}
 
