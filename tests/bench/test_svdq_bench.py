@@ -6,9 +6,9 @@ hand-off, the order and the arithmetic."""
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -60,7 +60,4 @@ def test_no_schedules_no_children_no_table(monkeypatch):
     r = rows()
     svdq.schedule_rows(Path("lib.so"), r, 5, [])
     assert "default_child" not in r[0]
-
-
-def test_no_schedules_no_table():
-    assert svdq.schedule_table(rows()) == ""
+    assert svdq.schedule_table(r) == ""
