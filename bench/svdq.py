@@ -178,8 +178,9 @@ def schedule_rows(lib: Path, rows: list[dict], iters: int, schedules: list[str])
     {"gemm_us", "drift"}: every GEMM here, the default schedule's included, is timed the same way, in a child
     process with CACHE_DIT_SVDQ_GEMM set; the default's child runs before the others and again after them, and
     each schedule is compared with the mean of those two. Comparing a child with the parent's own GEMM time
-    (taken between the cuBLAS runs) favoured whichever ran in the child by 0-8%: the same schedule was 1.02-1.08x
-    "faster" than itself that way (H100, 2026-12-06). "drift" is the second default run over the first."""
+    (taken between the cuBLAS runs) favoured whichever ran in the child by up to 8%: the L1 prefetch of the
+    epilogue came out ahead as the child and behind as the parent (H100, 2026-12-06,
+    bench/results/2026-12-06-h100-svdq-ab-method.md). "drift" is the second default run over the first."""
     if not schedules:
         return
     shape_list = [(r["m"], r["k"], r["n"]) for r in rows]
