@@ -36,7 +36,8 @@
 //              a tiny kernel launch, a 64-bit stream write / wait (already
 //              satisfied) on pinned host memory, two writes as two calls and
 //              as one cuStreamBatchMemOp, an event record, and a whole call
-//              (wait, launch, the two "done" writes) each way.
+//              (wait, launch, the two "done" writes) each way, and with the
+//              next call's wait in the "done" batch.
 //
 //   threads [N]  Whether the driver's enqueue path scales across host
 //              threads of one context (what more executor threads,
@@ -46,6 +47,18 @@
 //              per call (a tiny kernel launch and one cuStreamBatchMemOp of
 //              two 64-bit writes); prints the aggregate calls/s and each
 //              thread's host time per call.
+//
+//   pairs [N] [B]  P = 1, 2, 4, 8, 12 client/daemon stream pairs in one
+//              context (as under MPS), N calls each enqueued ahead behind a
+//              gate, a B-byte copy (default 1 MiB) as the kernel: aggregate
+//              calls/s of the kernels alone (local), of the semaphore
+//              hand-off (sem: client writes in, waits done; daemon waits in,
+//              copies, writes done; in_only: the client's write and the
+//              daemon's wait alone) and of the same with the daemon's "done"
+//              and next wait in one batch (sem_batch), each with the
+//              semaphores in pinned host memory and in device memory (_dev).
+//              No host in the loop: what the GPU allows many launch-bound
+//              clients.
 //
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs, which is the
@@ -396,6 +409,23 @@ static int HostCost(int n) {
     }
     CU(cuStreamBatchMemOp(cs, 2, ops, 0));
   };
+  // The executor's call when the next call's wait goes with this one's
+  // "done" (Executor::NextWait): launch, then one batch of two writes and
+  // the next wait.
+  auto write2_wait_batched = [&](uint64_t v) {
+    CUstreamBatchMemOpParams ops[3] = {};
+    for (int i = 0; i < 2; ++i) {
+      ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      ops[i].writeValue.address = i == 0 ? done : completed;
+      ops[i].writeValue.value64 = v;
+      ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    ops[2].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    ops[2].waitValue.address = ready;
+    ops[2].waitValue.value64 = v + 1;
+    ops[2].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    CU(cuStreamBatchMemOp(cs, 3, ops, 0));
+  };
   auto write1 = [&](uint64_t v) { CU(cuStreamWriteValue64(cs, done, v, CU_STREAM_WRITE_VALUE_DEFAULT)); };
   auto write2 = [&](uint64_t v) {
     write1(v);
@@ -431,8 +461,12 @@ static int HostCost(int n) {
                       launch(v);
                       write2_batched(v);
                     })});
+    rows.push_back({"call: launch, one batch of two writes + next wait", EnqueueUs(s, n, [&](uint64_t v) {
+                      launch(v);
+                      write2_wait_batched(v);
+                    })});
   }
-  for (const Row& r : rows) std::printf("hostcost %-45s %7.2f us\n", r.what, r.us);
+  for (const Row& r : rows) std::printf("hostcost %-52s %7.2f us\n", r.what, r.us);
   PROBE_CHECK(cudaDeviceSynchronize());
   return 0;
 }
@@ -509,6 +543,92 @@ static int Threads(int n) {
   return 0;
 }
 
+// P client/daemon stream pairs in one context (as under MPS), everything
+// enqueued ahead behind a gate: the GPU's aggregate calls/s of the hand-off
+// alone, no host in the loop. Whether 8 launch-bound clients can reach a
+// rate at all is bounded by this.
+static int Pairs(int calls, size_t bytes) {
+  using Clock = std::chrono::steady_clock;
+  PROBE_CHECK(cudaSetDevice(0));
+  constexpr int kMaxPairs = 12;  // 2 x 12 streams within the 32 hardware queues main() asks for
+  void* page = nullptr;
+  if (posix_memalign(&page, 4096, 8192) != 0) return 1;
+  std::memset(page, 0, 8192);
+  const CUdeviceptr base = MapHost(page, 8192);
+  // The semaphores live in pinned host memory (as the daemon's ring
+  // sessions keep them) or, for the *_dev modes, in device memory: whether
+  // the hand-off's ceiling is the trips over PCIe or the GPU's memory-op path.
+  void* dev_sems = nullptr;
+  PROBE_CHECK(cudaMalloc(&dev_sems, 4096));
+  bool on_device = false;
+  auto sem_base = [&] { return on_device ? reinterpret_cast<CUdeviceptr>(dev_sems) : base; };
+  auto in = [&](int p) { return sem_base() + 128 * p; };
+  auto done = [&](int p) { return sem_base() + 2048 + 128 * p; };
+  const CUdeviceptr gate = base + 4096;
+  auto* gate_word = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(page) + 4096);
+  const size_t n = bytes / sizeof(int4);
+  int4* src = nullptr;
+  PROBE_CHECK(cudaMalloc(&src, bytes));
+  std::vector<int4*> dst(kMaxPairs);
+  for (auto& d : dst) PROBE_CHECK(cudaMalloc(&d, bytes));
+  uint64_t gate_value = 0;
+  for (int pairs : {1, 2, 4, 8, 12}) {
+    std::vector<cudaStream_t> c(pairs), d(pairs);
+    for (int p = 0; p < pairs; ++p) {
+      PROBE_CHECK(cudaStreamCreateWithFlags(&c[p], cudaStreamNonBlocking));
+      PROBE_CHECK(cudaStreamCreateWithFlags(&d[p], cudaStreamNonBlocking));
+    }
+    for (const char* mode : {"local", "in_only", "sem", "sem_batch", "sem_dev", "sem_batch_dev"}) {
+      const bool local = std::strcmp(mode, "local") == 0, batch = std::strstr(mode, "batch") != nullptr;
+      const bool in_only = std::strcmp(mode, "in_only") == 0;  // the client's half: no "done" back
+      on_device = std::strstr(mode, "_dev") != nullptr;
+      std::memset(page, 0, 4096);  // the semaphores; no GPU work is pending
+      PROBE_CHECK(cudaMemset(dev_sems, 0, 4096));
+      PROBE_CHECK(cudaDeviceSynchronize());
+      ++gate_value;
+      for (int p = 0; p < pairs; ++p) {
+        CUstream cs = reinterpret_cast<CUstream>(c[p]), ds = reinterpret_cast<CUstream>(d[p]);
+        Gate<<<1, 1, 0, local ? d[p] : c[p]>>>(reinterpret_cast<const volatile uint64_t*>(gate), gate_value);
+        for (int i = 1; i <= calls; ++i) {
+          if (!local) {
+            CU(cuStreamWriteValue64(cs, in(p), i, CU_STREAM_WRITE_VALUE_DEFAULT));
+            if (!in_only) CU(cuStreamWaitValue64(cs, done(p), i, CU_STREAM_WAIT_VALUE_GEQ));
+            // sem_batch: call i's wait went out with call i-1's "done".
+            if (!batch || i == 1) CU(cuStreamWaitValue64(ds, in(p), i, CU_STREAM_WAIT_VALUE_GEQ));
+          }
+          Copy<<<132, 512, 0, d[p]>>>(src, dst[p], n);
+          if (local || in_only) continue;
+          if (batch && i < calls) {
+            CUstreamBatchMemOpParams ops[2] = {};
+            ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+            ops[0].writeValue.address = done(p);
+            ops[0].writeValue.value64 = i;
+            ops[0].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+            ops[1].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+            ops[1].waitValue.address = in(p);
+            ops[1].waitValue.value64 = i + 1;
+            ops[1].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+            CU(cuStreamBatchMemOp(ds, 2, ops, 0));
+          } else {
+            CU(cuStreamWriteValue64(ds, done(p), i, CU_STREAM_WRITE_VALUE_DEFAULT));
+          }
+        }
+      }
+      const auto t0 = Clock::now();
+      gate_word->store(gate_value, std::memory_order_release);
+      PROBE_CHECK(cudaDeviceSynchronize());
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      std::printf("pairs P=%-2d mode=%-13s calls/s=%9.0f us_per_call=%6.2f (all pairs together)\n", pairs, mode,
+                  pairs * calls / s, 1e6 * s / (pairs * calls));
+    }
+    for (int p = 0; p < pairs; ++p) {
+      PROBE_CHECK(cudaStreamDestroy(c[p]));
+      PROBE_CHECK(cudaStreamDestroy(d[p]));
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Lazy module loading would load a kernel at its first launch, which can
@@ -521,8 +641,13 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "timeline") == 0) return Timeline(argc >= 3 ? std::atoi(argv[2]) : 128);
   if (argc >= 2 && std::strcmp(argv[1], "hostcost") == 0) return HostCost(argc >= 3 ? std::atoi(argv[2]) : 20000);
   if (argc >= 2 && std::strcmp(argv[1], "threads") == 0) return Threads(argc >= 3 ? std::atoi(argv[2]) : 20000);
+  if (argc >= 2 && std::strcmp(argv[1], "pairs") == 0) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);  // a queue per stream: no wait holds up another pair
+    return Pairs(argc >= 3 ? std::atoi(argv[2]) : 200, argc >= 4 ? std::strtoull(argv[3], nullptr, 10) : 1u << 20);
+  }
   std::fprintf(stderr,
-               "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS] | hostcost [N] | threads [N]\n",
+               "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS] | hostcost [N] | threads [N] | "
+               "pairs [CALLS] [BYTES]\n",
                argv[0]);
   return 2;
 }

@@ -12,7 +12,8 @@
 # $OUT/all.tgz. Steps:
 #   svdq-tests      pytest tests/kernels/test_svdq_gpu.py
 #   svdq-bench[=S]  bench/svdq.py, timing schedules S (comma-separated;
-#                   default all) against the default   -> $OUT/svdq.json
+#                   default all; "none": the table alone) against the
+#                   default                              -> $OUT/svdq.json
 #   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-overlap)
 #   probe-wgmma[=P] opd_wgmma_loop_probe, runs P (comma-separated; default all)
 #   ctest-gpu       ctest -L gpu
@@ -30,7 +31,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
 BUDGET=480
 if [ "${1-}" = "--budget" ]; then BUDGET="$2"; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
 BUILD="${CACHE_DIT_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${OUT:-$BUILD/results}"
 mkdir -p "$OUT"
@@ -92,7 +93,7 @@ for step in "$@"; do
       cmd=(bench/run.sh --no-readme --build "$BUILD" --out "$OUT/bench-full${tag#bench-full}" ${arg}) ;;
     *) say "unknown step '$name'"; RC=2; continue ;;
   esac
-  [ "$name" = svdq-bench ] && [ -n "$arg" ] && cmd+=(--schedules "$arg")
+  [ "$name" = svdq-bench ] && [ -n "$arg" ] && cmd+=(--schedules "${arg/#none/}")
   timeout "$limit" "${cmd[@]}" > "$OUT/$tag.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/$tag.log"
