@@ -56,7 +56,10 @@
 //              copies, writes done; in_only: the client's write and the
 //              daemon's wait alone) and of the same with the daemon's "done"
 //              and next wait in one batch (sem_batch), each with the
-//              semaphores in pinned host memory and in device memory (_dev).
+//              semaphores in pinned host memory and in device memory (_dev);
+//              sem_cb: the client's write and wait in one batch (as the
+//              client does); *_mirror: waits on device words, every write
+//              also to a pinned host twin (for host readers).
 //              No host in the loop: what the GPU allows many launch-bound
 //              clients.
 //
@@ -578,10 +581,13 @@ static int Pairs(int calls, size_t bytes) {
       PROBE_CHECK(cudaStreamCreateWithFlags(&c[p], cudaStreamNonBlocking));
       PROBE_CHECK(cudaStreamCreateWithFlags(&d[p], cudaStreamNonBlocking));
     }
-    for (const char* mode : {"local", "in_only", "sem", "sem_batch", "sem_dev", "sem_batch_dev"}) {
+    for (const char* mode : {"local", "in_only", "sem", "sem_cb", "sem_batch", "sem_dev", "sem_batch_dev",
+                             "sem_cb_mirror", "sem_cb_batch_mirror"}) {
       const bool local = std::strcmp(mode, "local") == 0, batch = std::strstr(mode, "batch") != nullptr;
       const bool in_only = std::strcmp(mode, "in_only") == 0;  // the client's half: no "done" back
-      on_device = std::strstr(mode, "_dev") != nullptr;
+      const bool client_batch = std::strstr(mode, "_cb") != nullptr;  // write + wait in one batch, as the client does
+      const bool mirror = std::strstr(mode, "mirror") != nullptr;  // waits on device words, writes to both
+      on_device = mirror || std::strstr(mode, "_dev") != nullptr;
       std::memset(page, 0, 4096);  // the semaphores; no GPU work is pending
       PROBE_CHECK(cudaMemset(dev_sems, 0, 4096));
       PROBE_CHECK(cudaDeviceSynchronize());
@@ -589,36 +595,58 @@ static int Pairs(int calls, size_t bytes) {
       for (int p = 0; p < pairs; ++p) {
         CUstream cs = reinterpret_cast<CUstream>(c[p]), ds = reinterpret_cast<CUstream>(d[p]);
         Gate<<<1, 1, 0, local ? d[p] : c[p]>>>(reinterpret_cast<const volatile uint64_t*>(gate), gate_value);
+        // "Write v to the semaphore at offset, waited on where the mode keeps it
+        // (and to its pinned host twin too when mirrored)", then "wait for v".
+        std::vector<CUstreamBatchMemOpParams> ops;
+        auto write = [&](CUdeviceptr at, CUdeviceptr host_at, uint64_t v) {
+          for (CUdeviceptr a : {at, host_at}) {
+            if (a == 0) continue;
+            CUstreamBatchMemOpParams op = {};
+            op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+            op.writeValue.address = a;
+            op.writeValue.value64 = v;
+            op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+            ops.push_back(op);
+          }
+        };
+        auto wait = [&](CUdeviceptr at, uint64_t v) {
+          CUstreamBatchMemOpParams op = {};
+          op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+          op.waitValue.address = at;
+          op.waitValue.value64 = v;
+          op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+          ops.push_back(op);
+        };
+        auto flush = [&](CUstream st) {
+          if (!ops.empty()) CU(cuStreamBatchMemOp(st, static_cast<unsigned>(ops.size()), ops.data(), 0));
+          ops.clear();
+        };
+        const CUdeviceptr host_offset = mirror ? base - sem_base() : 0;
+        auto twin = [&](CUdeviceptr at) { return mirror ? at + host_offset : CUdeviceptr{0}; };
         for (int i = 1; i <= calls; ++i) {
           if (!local) {
-            CU(cuStreamWriteValue64(cs, in(p), i, CU_STREAM_WRITE_VALUE_DEFAULT));
-            if (!in_only) CU(cuStreamWaitValue64(cs, done(p), i, CU_STREAM_WAIT_VALUE_GEQ));
+            write(in(p), twin(in(p)), i);
+            if (!client_batch) flush(cs);
+            if (!in_only) wait(done(p), i);
+            flush(cs);
             // sem_batch: call i's wait went out with call i-1's "done".
-            if (!batch || i == 1) CU(cuStreamWaitValue64(ds, in(p), i, CU_STREAM_WAIT_VALUE_GEQ));
+            if (!batch || i == 1) {
+              wait(in(p), i);
+              flush(ds);
+            }
           }
           Copy<<<132, 512, 0, d[p]>>>(src, dst[p], n);
           if (local || in_only) continue;
-          if (batch && i < calls) {
-            CUstreamBatchMemOpParams ops[2] = {};
-            ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-            ops[0].writeValue.address = done(p);
-            ops[0].writeValue.value64 = i;
-            ops[0].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-            ops[1].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-            ops[1].waitValue.address = in(p);
-            ops[1].waitValue.value64 = i + 1;
-            ops[1].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-            CU(cuStreamBatchMemOp(ds, 2, ops, 0));
-          } else {
-            CU(cuStreamWriteValue64(ds, done(p), i, CU_STREAM_WRITE_VALUE_DEFAULT));
-          }
+          write(done(p), twin(done(p)), i);
+          if (batch && i < calls) wait(in(p), i + 1);
+          flush(ds);
         }
       }
       const auto t0 = Clock::now();
       gate_word->store(gate_value, std::memory_order_release);
       PROBE_CHECK(cudaDeviceSynchronize());
       const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::printf("pairs P=%-2d mode=%-13s calls/s=%9.0f us_per_call=%6.2f (all pairs together)\n", pairs, mode,
+      std::printf("pairs P=%-2d mode=%-19s calls/s=%9.0f us_per_call=%6.2f (all pairs together)\n", pairs, mode,
                   pairs * calls / s, 1e6 * s / (pairs * calls));
     }
     for (int p = 0; p < pairs; ++p) {
