@@ -63,15 +63,23 @@
 //              No host in the loop: what the GPU allows many launch-bound
 //              clients.
 //
+//   xpairs [N]     The same hand-off (the protocol in use: the client's
+//              write and wait in one batch; the daemon's wait, a 1 MiB copy,
+//              "done" and its own copy in one batch) with P = 1, 2, 4, 8
+//              client processes and one daemon process, each its own context
+//              (under MPS: one MPS client each, as deployed), beside each
+//              client running the copy itself (local): aggregate calls/s.
+//
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs, which is the
 // third fact (PROBE_LAZY=1 stream_queues isolation 8 9 1 never returns).
 //
 // Build: nvcc -O2 -arch=sm_90a -o stream_queues stream_queues.cu -lcuda
-// Run:   stream_queues isolation C S K | timeline [N] | hostcost [N] | threads [N]
+// Run:   stream_queues isolation C S K | timeline [N] | hostcost [N] | threads [N] | pairs [N] [B] | xpairs [N]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -657,6 +665,131 @@ static int Pairs(int calls, size_t bytes) {
   return 0;
 }
 
+// The pairs of Pairs() as processes: P client processes and one daemon
+// process, each its own CUDA context (one MPS client each when run under
+// MPS, as the daemon and its clients are deployed), the semaphores in one
+// shared page that every process maps. Everything is enqueued ahead behind
+// the gate, which the parent (no CUDA context) opens once every process has
+// enqueued; aggregate calls/s over all clients until the last one drains.
+struct XShared {
+  alignas(4096) uint64_t sem[512];  // pair p: in at 8p, done at 8p + 1, the daemon's copy at 8p + 2; gate at 500
+  std::atomic<int> enqueued{0};
+  std::atomic<int64_t> end_ns[64];
+};
+
+static int64_t NowNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+static int XPairsChild(XShared* sh, int pairs, int calls, bool local, int who) {  // who == pairs: the daemon
+  // As deployed: the daemon asks for a hardware queue per stream, the clients
+  // keep CUDA's default. Under MPS the queues come from the server's shared
+  // pool, so every process asking for 32 exhausted it at P = 4 (a context
+  // could not be made: "busy or unavailable", then "out of memory").
+  if (who == pairs) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);
+  } else {
+    unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  }
+  PROBE_CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaFree(nullptr));
+  const CUdeviceptr base = MapHost(sh->sem, sizeof(sh->sem));
+  auto word = [&](int p, int i) { return base + 8 * (8 * p + i); };
+  const CUdeviceptr gate = base + 8 * 500;
+  const size_t bytes = 1u << 20, n = bytes / sizeof(int4);
+  int4 *src = nullptr, *dst = nullptr;
+  PROBE_CHECK(cudaMalloc(&src, bytes));
+  PROBE_CHECK(cudaMalloc(&dst, bytes * (who == pairs ? pairs : 1)));
+  std::vector<cudaStream_t> st(who == pairs ? pairs : 1);
+  for (auto& x : st) PROBE_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  auto op = [](CUstreamBatchMemOpType type, CUdeviceptr at, uint64_t v) {
+    CUstreamBatchMemOpParams o = {};
+    if (type == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
+      o.writeValue.operation = type;
+      o.writeValue.address = at;
+      o.writeValue.value64 = v;
+    } else {
+      o.waitValue.operation = type;
+      o.waitValue.address = at;
+      o.waitValue.value64 = v;
+      o.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    }
+    return o;
+  };
+  if (who < pairs || !local) {
+    for (size_t q = 0; q < st.size(); ++q) {
+      const int p = who < pairs ? who : static_cast<int>(q);
+      CUstream cs = reinterpret_cast<CUstream>(st[q]);
+      Gate<<<1, 1, 0, st[q]>>>(reinterpret_cast<const volatile uint64_t*>(gate), 1);
+      for (int i = 1; i <= calls; ++i) {
+        if (who < pairs && local) {
+          Copy<<<132, 512, 0, st[q]>>>(src, dst, n);
+        } else if (who < pairs) {  // the client: "inputs ready", then wait "done", one batch
+          CUstreamBatchMemOpParams ops[2] = {op(CU_STREAM_MEM_OP_WRITE_VALUE_64, word(p, 0), i),
+                                             op(CU_STREAM_MEM_OP_WAIT_VALUE_64, word(p, 1), i)};
+          CU(cuStreamBatchMemOp(cs, 2, ops, 0));
+        } else {  // the daemon: wait, run, "done" and its own copy in one batch
+          CU(cuStreamWaitValue64(cs, word(p, 0), i, CU_STREAM_WAIT_VALUE_GEQ));
+          Copy<<<132, 512, 0, st[q]>>>(src, dst + q * n, n);
+          CUstreamBatchMemOpParams ops[2] = {op(CU_STREAM_MEM_OP_WRITE_VALUE_64, word(p, 1), i),
+                                             op(CU_STREAM_MEM_OP_WRITE_VALUE_64, word(p, 2), i)};
+          CU(cuStreamBatchMemOp(cs, 2, ops, 0));
+        }
+      }
+    }
+  }
+  sh->enqueued.fetch_add(1, std::memory_order_acq_rel);
+  PROBE_CHECK(cudaDeviceSynchronize());
+  sh->end_ns[who].store(NowNs(), std::memory_order_release);
+  return 0;
+}
+
+static int XPairs(int calls) {
+  for (int pairs : {1, 2, 4, 8}) {
+    for (const bool local : {true, false}) {
+      void* mem = mmap(nullptr, sizeof(XShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+      if (mem == MAP_FAILED) return 1;
+      auto* sh = new (mem) XShared();
+      std::vector<pid_t> kids;
+      for (int who = 0; who <= pairs; ++who) {
+        const pid_t pid = fork();
+        if (pid == 0) _exit(XPairsChild(sh, pairs, calls, local, who));
+        kids.push_back(pid);
+      }
+      while (sh->enqueued.load(std::memory_order_acquire) < pairs + 1) {
+        int status = 0;
+        if (waitpid(-1, &status, WNOHANG) > 0) {  // a child gave up before enqueuing: say so rather than hang
+          for (pid_t pid : kids) kill(pid, SIGKILL);
+          while (wait(nullptr) > 0) {
+          }
+          std::printf("xpairs P=%d: a process ended before enqueuing FAILED\n", pairs);
+          return 1;
+        }
+        usleep(1000);
+      }
+      const int64_t t0 = NowNs();
+      reinterpret_cast<std::atomic<uint64_t>*>(&sh->sem[500])->store(1, std::memory_order_release);
+      int failed = 0;
+      for (pid_t pid : kids) {
+        int status = 0;
+        waitpid(pid, &status, 0);
+        failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+      }
+      int64_t end = t0;
+      for (int who = 0; who <= pairs; ++who) end = std::max(end, sh->end_ns[who].load());
+      const double secs = (end - t0) * 1e-9;
+      std::printf("xpairs P=%-2d mode=%-6s calls/s=%9.0f us_per_call=%6.2f (all clients together)%s\n", pairs,
+                  local ? "local" : "sem_cb", pairs * calls / secs, 1e6 * secs / (pairs * calls),
+                  failed ? " FAILED" : "");
+      munmap(mem, sizeof(XShared));
+      if (failed) return 1;
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   // Lazy module loading would load a kernel at its first launch, which can
@@ -669,13 +802,14 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "timeline") == 0) return Timeline(argc >= 3 ? std::atoi(argv[2]) : 128);
   if (argc >= 2 && std::strcmp(argv[1], "hostcost") == 0) return HostCost(argc >= 3 ? std::atoi(argv[2]) : 20000);
   if (argc >= 2 && std::strcmp(argv[1], "threads") == 0) return Threads(argc >= 3 ? std::atoi(argv[2]) : 20000);
+  if (argc >= 2 && std::strcmp(argv[1], "xpairs") == 0) return XPairs(argc >= 3 ? std::atoi(argv[2]) : 200);
   if (argc >= 2 && std::strcmp(argv[1], "pairs") == 0) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);  // a queue per stream: no wait holds up another pair
     return Pairs(argc >= 3 ? std::atoi(argv[2]) : 200, argc >= 4 ? std::strtoull(argv[3], nullptr, 10) : 1u << 20);
   }
   std::fprintf(stderr,
                "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS] | hostcost [N] | threads [N] | "
-               "pairs [CALLS] [BYTES]\n",
+               "pairs [CALLS] [BYTES] | xpairs [CALLS]\n",
                argv[0]);
   return 2;
 }
