@@ -68,7 +68,10 @@
 //              "done" and its own copy in one batch) with P = 1, 2, 4, 8
 //              client processes and one daemon process, each its own context
 //              (under MPS: one MPS client each, as deployed), beside each
-//              client running the copy itself (local): aggregate calls/s.
+//              client running the copy itself (local), and with the
+//              semaphores waited on in the daemon's device memory (CUDA IPC)
+//              and every write also to the host word (dev_twin): aggregate
+//              calls/s.
 //
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs, which is the
@@ -673,9 +676,17 @@ static int Pairs(int calls, size_t bytes) {
 // enqueued; aggregate calls/s over all clients until the last one drains.
 struct XShared {
   alignas(4096) uint64_t sem[512];  // pair p: in at 8p, done at 8p + 1, the daemon's copy at 8p + 2; gate at 500
+  cudaIpcMemHandle_t dev_sems;      // daemon -> clients (dev_twin): pair p's in at 16p, done at 16p + 8 (uint64_t)
+  std::atomic<int> dev_ready{0};
   std::atomic<int> enqueued{0};
   std::atomic<int64_t> end_ns[64];
 };
+
+enum class XMode { kLocal, kSemCb, kDevTwin };
+
+static const char* XModeName(XMode m) {
+  return m == XMode::kLocal ? "local" : m == XMode::kSemCb ? "sem_cb" : "dev_twin";
+}
 
 static int64_t NowNs() {
   timespec ts;
@@ -683,12 +694,13 @@ static int64_t NowNs() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
-static int XPairsChild(XShared* sh, int pairs, int calls, bool local, int who) {  // who == pairs: the daemon
+static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {  // who == pairs: the daemon
   // As deployed: the daemon asks for a hardware queue per stream, the clients
   // keep CUDA's default. Under MPS the queues come from the server's shared
   // pool, so every process asking for 32 exhausted it at P = 4 (a context
   // could not be made: "busy or unavailable", then "out of memory").
-  if (who == pairs) {
+  const bool daemon = who == pairs;
+  if (daemon) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);
   } else {
     unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
@@ -698,44 +710,69 @@ static int XPairsChild(XShared* sh, int pairs, int calls, bool local, int who) {
   const CUdeviceptr base = MapHost(sh->sem, sizeof(sh->sem));
   auto word = [&](int p, int i) { return base + 8 * (8 * p + i); };
   const CUdeviceptr gate = base + 8 * 500;
+  // dev_twin: the semaphores waited on live in the daemon's device memory;
+  // every write also goes to the host word, for host readers.
+  void* dev = nullptr;
+  if (mode == XMode::kDevTwin) {
+    if (daemon) {
+      PROBE_CHECK(cudaMalloc(&dev, 4096));
+      PROBE_CHECK(cudaMemset(dev, 0, 4096));
+      PROBE_CHECK(cudaDeviceSynchronize());
+      PROBE_CHECK(cudaIpcGetMemHandle(&sh->dev_sems, dev));
+      sh->dev_ready.store(1, std::memory_order_release);
+    } else {
+      while (sh->dev_ready.load(std::memory_order_acquire) == 0) usleep(100);
+      PROBE_CHECK(cudaIpcOpenMemHandle(&dev, sh->dev_sems, cudaIpcMemLazyEnablePeerAccess));
+    }
+  }
+  auto dev_word = [&](int p, int i) { return reinterpret_cast<CUdeviceptr>(dev) + 8 * (16 * p + 8 * i); };
   const size_t bytes = 1u << 20, n = bytes / sizeof(int4);
   int4 *src = nullptr, *dst = nullptr;
   PROBE_CHECK(cudaMalloc(&src, bytes));
-  PROBE_CHECK(cudaMalloc(&dst, bytes * (who == pairs ? pairs : 1)));
-  std::vector<cudaStream_t> st(who == pairs ? pairs : 1);
+  PROBE_CHECK(cudaMalloc(&dst, bytes * (daemon ? pairs : 1)));
+  std::vector<cudaStream_t> st(daemon ? pairs : 1);
   for (auto& x : st) PROBE_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
-  auto op = [](CUstreamBatchMemOpType type, CUdeviceptr at, uint64_t v) {
+  std::vector<CUstreamBatchMemOpParams> ops;
+  auto write = [&](CUdeviceptr at, uint64_t v) {
     CUstreamBatchMemOpParams o = {};
-    if (type == CU_STREAM_MEM_OP_WRITE_VALUE_64) {
-      o.writeValue.operation = type;
-      o.writeValue.address = at;
-      o.writeValue.value64 = v;
-    } else {
-      o.waitValue.operation = type;
-      o.waitValue.address = at;
-      o.waitValue.value64 = v;
-      o.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    }
-    return o;
+    o.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    o.writeValue.address = at;
+    o.writeValue.value64 = v;
+    ops.push_back(o);
   };
-  if (who < pairs || !local) {
+  auto wait = [&](CUdeviceptr at, uint64_t v) {
+    CUstreamBatchMemOpParams o = {};
+    o.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    o.waitValue.address = at;
+    o.waitValue.value64 = v;
+    o.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    ops.push_back(o);
+  };
+  auto flush = [&](cudaStream_t s) {
+    CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(s), static_cast<unsigned>(ops.size()), ops.data(), 0));
+    ops.clear();
+  };
+  const bool twin = mode == XMode::kDevTwin;
+  if (!daemon || mode != XMode::kLocal) {
     for (size_t q = 0; q < st.size(); ++q) {
-      const int p = who < pairs ? who : static_cast<int>(q);
-      CUstream cs = reinterpret_cast<CUstream>(st[q]);
+      const int p = daemon ? static_cast<int>(q) : who;
       Gate<<<1, 1, 0, st[q]>>>(reinterpret_cast<const volatile uint64_t*>(gate), 1);
       for (int i = 1; i <= calls; ++i) {
-        if (who < pairs && local) {
+        if (mode == XMode::kLocal) {
           Copy<<<132, 512, 0, st[q]>>>(src, dst, n);
-        } else if (who < pairs) {  // the client: "inputs ready", then wait "done", one batch
-          CUstreamBatchMemOpParams ops[2] = {op(CU_STREAM_MEM_OP_WRITE_VALUE_64, word(p, 0), i),
-                                             op(CU_STREAM_MEM_OP_WAIT_VALUE_64, word(p, 1), i)};
-          CU(cuStreamBatchMemOp(cs, 2, ops, 0));
-        } else {  // the daemon: wait, run, "done" and its own copy in one batch
-          CU(cuStreamWaitValue64(cs, word(p, 0), i, CU_STREAM_WAIT_VALUE_GEQ));
+        } else if (!daemon) {  // the client: "inputs ready", then wait "done", one batch
+          write(twin ? dev_word(p, 0) : word(p, 0), i);
+          if (twin) write(word(p, 0), i);
+          wait(twin ? dev_word(p, 1) : word(p, 1), i);
+          flush(st[q]);
+        } else {  // the daemon: wait, run, "done" (and its twin) and its own copy in one batch
+          wait(twin ? dev_word(p, 0) : word(p, 0), i);
+          flush(st[q]);
           Copy<<<132, 512, 0, st[q]>>>(src, dst + q * n, n);
-          CUstreamBatchMemOpParams ops[2] = {op(CU_STREAM_MEM_OP_WRITE_VALUE_64, word(p, 1), i),
-                                             op(CU_STREAM_MEM_OP_WRITE_VALUE_64, word(p, 2), i)};
-          CU(cuStreamBatchMemOp(cs, 2, ops, 0));
+          if (twin) write(dev_word(p, 1), i);
+          write(word(p, 1), i);
+          write(word(p, 2), i);
+          flush(st[q]);
         }
       }
     }
@@ -748,14 +785,14 @@ static int XPairsChild(XShared* sh, int pairs, int calls, bool local, int who) {
 
 static int XPairs(int calls) {
   for (int pairs : {1, 2, 4, 8}) {
-    for (const bool local : {true, false}) {
+    for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kDevTwin}) {
       void* mem = mmap(nullptr, sizeof(XShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
       if (mem == MAP_FAILED) return 1;
       auto* sh = new (mem) XShared();
       std::vector<pid_t> kids;
       for (int who = 0; who <= pairs; ++who) {
         const pid_t pid = fork();
-        if (pid == 0) _exit(XPairsChild(sh, pairs, calls, local, who));
+        if (pid == 0) _exit(XPairsChild(sh, pairs, calls, mode, who));
         kids.push_back(pid);
       }
       while (sh->enqueued.load(std::memory_order_acquire) < pairs + 1) {
@@ -764,7 +801,7 @@ static int XPairs(int calls) {
           for (pid_t pid : kids) kill(pid, SIGKILL);
           while (wait(nullptr) > 0) {
           }
-          std::printf("xpairs P=%d: a process ended before enqueuing FAILED\n", pairs);
+          std::printf("xpairs P=%d mode=%s: a process ended before enqueuing FAILED\n", pairs, XModeName(mode));
           return 1;
         }
         usleep(1000);
@@ -780,9 +817,8 @@ static int XPairs(int calls) {
       int64_t end = t0;
       for (int who = 0; who <= pairs; ++who) end = std::max(end, sh->end_ns[who].load());
       const double secs = (end - t0) * 1e-9;
-      std::printf("xpairs P=%-2d mode=%-6s calls/s=%9.0f us_per_call=%6.2f (all clients together)%s\n", pairs,
-                  local ? "local" : "sem_cb", pairs * calls / secs, 1e6 * secs / (pairs * calls),
-                  failed ? " FAILED" : "");
+      std::printf("xpairs P=%-2d mode=%-8s calls/s=%9.0f us_per_call=%6.2f (all clients together)%s\n", pairs,
+                  XModeName(mode), pairs * calls / secs, 1e6 * secs / (pairs * calls), failed ? " FAILED" : "");
       munmap(mem, sizeof(XShared));
       if (failed) return 1;
     }

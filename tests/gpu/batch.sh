@@ -16,6 +16,8 @@
 #                   default                              -> $OUT/svdq.json
 #   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-overlap)
 #   probe-wgmma[=P] opd_wgmma_loop_probe, runs P (comma-separated; default all)
+#   probe-handoff   bench/probes/handoff.sh: the hand-off's GPU ceiling, one
+#                   context and a process per client, without and under MPS
 #   ctest-gpu       ctest -L gpu
 #   kernels-gpu     pytest tests/kernels -m gpu
 #   python-gpu      pytest tests/python -m gpu
@@ -31,7 +33,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
 BUDGET=480
 if [ "${1-}" = "--budget" ]; then BUDGET="$2"; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 BUILD="${CACHE_DIT_GPU_BUILD_DIR:-$ROOT/build-gpu}"
 OUT="${OUT:-$BUILD/results}"
 mkdir -p "$OUT"
@@ -80,6 +82,7 @@ for step in "$@"; do
     svdq-bench) cmd=(python3 bench/svdq.py --lib "$LIB" --json "$OUT/svdq.json") ;;
     ncu-svdq) cmd=(bench/ncu_svdq.sh --lib "$LIB" --out "$OUT/ncu" --schedules "${arg:-sm90,sm90-overlap}") ;;
     probe-wgmma) cmd=("$BUILD/bench/probes/opd_wgmma_loop_probe" ${arg//,/ }) ;;
+    probe-handoff) cmd=(bench/probes/handoff.sh "$BUILD/bench/probes/opd_stream_queues_probe") ;;
     ctest-gpu) cmd=(ctest --test-dir "$BUILD" --output-on-failure -L gpu) ;;
     kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;
     python-gpu) cmd=(python3 -m pytest tests/python -m gpu -q -rs -p no:cacheprovider) ;;
