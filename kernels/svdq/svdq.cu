@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cfloat>
 #include <cstdlib>
@@ -439,6 +440,45 @@ auto* quant_kernel() {
   return kernel;
 }
 
+// Groups per K split of the quantizer's grid, from a cost model fitted to
+// its time at every split count, M in {256, 1024, 4608} x K in {3072,
+// 12288, 15360}, rank 32, on an H100 (DESIGN 8; 7% rms error, each pick
+// within 1.5% of the fastest). Two blocks on one SM share its issue slots,
+// so the busiest SM's time is its groups per block times its waves of two
+// blocks, a lone block costing 0.64 of a pair; a split's partial LoRA sums
+// cost a write and a read. In us: 2.36 per group and wave, 0.52 per MB of
+// partial sums. A block keeps at most kMaxSplitGroups groups' 1 /
+// smooth_factor in shared memory. Only the least groups per split of each
+// split count is a candidate (more groups, same splits: slower), fewer
+// splits first so that a tie keeps them; the last few answers are kept per
+// thread, since the search costs ~0.3-0.7 us of host time against a
+// quantizer call of 10-100 us.
+int64_t quant_groups_per_split(int64_t groups, int64_t row_blocks, int64_t m_pad, int64_t rank, int64_t sms) {
+  struct Pick {
+    int64_t groups = -1, row_blocks, m_pad, rank, sms, per;
+  };
+  thread_local std::array<Pick, 8> recent{};
+  thread_local size_t next_slot = 0;
+  for (const Pick& p : recent) {
+    if (p.groups == groups && p.row_blocks == row_blocks && p.m_pad == m_pad && p.rank == rank && p.sms == sms) {
+      return p.per;
+    }
+  }
+  int64_t best_per = groups;
+  double best_cost = -1;
+  for (int64_t next = std::min(groups, kMaxSplitGroups); next >= 1;) {
+    const int64_t splits = cuda::ceil_div(groups, next), per = cuda::ceil_div(groups, splits);
+    const int64_t busiest = cuda::ceil_div(row_blocks * splits, sms);  // blocks on the busiest SM
+    const double waves = static_cast<double>(busiest / kQuantBlocks) + (busiest % kQuantBlocks != 0 ? 0.64 : 0.0);
+    const double partial_mb = splits > 1 && rank > 0 ? 2e-6 * splits * m_pad * rank * sizeof(float) : 0.0;
+    const double cost = 2.36 * per * waves + 0.52 * partial_mb;
+    if (best_cost < 0 || cost < best_cost) best_cost = cost, best_per = per;
+    next = per - 1;
+  }
+  recent[next_slot++ % recent.size()] = Pick{groups, row_blocks, m_pad, rank, sms, best_per};
+  return best_per;
+}
+
 void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, const OptTensor& smooth, bool fuse_glu,
                            bool fp4, int64_t pad_size, at::Tensor& output, at::Tensor& oscales,
                            at::Tensor& lora_act_out) {
@@ -453,26 +493,10 @@ void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, 
     return;
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // Split K by a cost model fitted to the quantizer's time at every split
-  // count, M in {256, 1024, 4608} x K in {3072, 12288, 15360}, rank 32, on an
-  // H100 (DESIGN 8; 7% rms error, each pick within 1.3% of the fastest). Two
-  // blocks on one SM share its issue slots, so the busiest SM's time is its
-  // groups per block times its waves of two blocks, a lone block costing 0.64
-  // of a pair; a split's partial LoRA sums cost a write and a read. In us:
-  // 2.36 per group and wave, 0.52 per MB of partial sums. A block keeps at
-  // most kMaxSplitGroups groups' 1 / smooth_factor in shared memory.
-  const int64_t tiles_m = cuda::ceil_div(m_pad, 16), row_blocks = cuda::ceil_div(tiles_m, kQuantWarps);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t per_split = groups;
-  double best_cost = -1;
-  for (int64_t per = std::min(groups, kMaxSplitGroups); per >= 1; --per) {
-    const int64_t splits = cuda::ceil_div(groups, per);
-    const int64_t busiest = cuda::ceil_div(row_blocks * splits, sms);  // blocks on the busiest SM
-    const double waves = static_cast<double>(busiest / kQuantBlocks) + (busiest % kQuantBlocks != 0 ? 0.64 : 0.0);
-    const double partial_mb = splits > 1 && rank > 0 ? 2e-6 * splits * m_pad * rank * sizeof(float) : 0.0;
-    const double cost = 2.36 * per * waves + 0.52 * partial_mb;
-    if (best_cost < 0 || cost < best_cost) best_cost = cost, per_split = per;  // ties keep the fewer splits
-  }
+  const int64_t row_blocks = cuda::ceil_div(cuda::ceil_div(m_pad, 16), kQuantWarps);
+  const int64_t per_split =
+      quant_groups_per_split(groups, row_blocks, m_pad, rank,
+                             at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const int64_t splits = cuda::ceil_div(groups, per_split);
   const size_t smem = kQuantRingBytes + (smooth ? static_cast<size_t>(per_split) * 64 * sizeof(float) : 0);
   at::Tensor partial =
