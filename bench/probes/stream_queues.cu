@@ -1,7 +1,8 @@
 // File: bench/probes/stream_queues.cu
 //
-// Two hardware facts the executor's launch-ahead design rests on (issue 14,
-// docs/DESIGN.md sections 1 and 7), measured on the GPU at hand:
+// The hardware facts the executor's launch-ahead and the client/daemon
+// hand-off rest on (issue 14, docs/DESIGN.md sections 1 and 7), measured on
+// the GPU at hand:
 //
 //   isolation C S K  With CUDA_DEVICE_MAX_CONNECTIONS = C (set before the
 //              context exists) and S streams created in order, waits that
@@ -74,8 +75,8 @@
 //              calls/s.
 //
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
-// with lazy loading the first launch after a parked wait hangs, which is the
-// third fact (PROBE_LAZY=1 stream_queues isolation 8 9 1 never returns).
+// with lazy loading the first launch after a parked wait hangs
+// (PROBE_LAZY=1 stream_queues isolation 8 9 1 never returns).
 //
 // Build: nvcc -O2 -arch=sm_90a -o stream_queues stream_queues.cu -lcuda
 // Run:   stream_queues isolation C S K | timeline [N] | hostcost [N] | threads [N] | pairs [N] [B] | xpairs [N]
