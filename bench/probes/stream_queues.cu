@@ -133,6 +133,33 @@ static CUdeviceptr MapHost(void* p, size_t bytes) {
   return d;
 }
 
+// Stream memory operations gathered, then enqueued as one cuStreamBatchMemOp
+// (the stream runs them in order).
+struct MemOpBatch {
+  std::vector<CUstreamBatchMemOpParams> ops;
+  void Write(CUdeviceptr at, uint64_t v) {
+    CUstreamBatchMemOpParams o = {};
+    o.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    o.writeValue.address = at;
+    o.writeValue.value64 = v;
+    o.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    ops.push_back(o);
+  }
+  void Wait(CUdeviceptr at, uint64_t v) {  // until *at >= v
+    CUstreamBatchMemOpParams o = {};
+    o.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+    o.waitValue.address = at;
+    o.waitValue.value64 = v;
+    o.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    ops.push_back(o);
+  }
+  void Flush(cudaStream_t s) {
+    if (ops.empty()) return;
+    CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(s), static_cast<unsigned>(ops.size()), ops.data(), 0));
+    ops.clear();
+  }
+};
+
 static int Isolation(int connections, int streams, int parked) {
   // parked = k parks waits on streams 0..k-1 (k >= 1).
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(connections).c_str(), 1);
@@ -605,53 +632,32 @@ static int Pairs(int calls, size_t bytes) {
       PROBE_CHECK(cudaDeviceSynchronize());
       ++gate_value;
       for (int p = 0; p < pairs; ++p) {
-        CUstream cs = reinterpret_cast<CUstream>(c[p]), ds = reinterpret_cast<CUstream>(d[p]);
         Gate<<<1, 1, 0, local ? d[p] : c[p]>>>(reinterpret_cast<const volatile uint64_t*>(gate), gate_value);
-        // "Write v to the semaphore at offset, waited on where the mode keeps it
-        // (and to its pinned host twin too when mirrored)", then "wait for v".
-        std::vector<CUstreamBatchMemOpParams> ops;
-        auto write = [&](CUdeviceptr at, CUdeviceptr host_at, uint64_t v) {
-          for (CUdeviceptr a : {at, host_at}) {
-            if (a == 0) continue;
-            CUstreamBatchMemOpParams op = {};
-            op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-            op.writeValue.address = a;
-            op.writeValue.value64 = v;
-            op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-            ops.push_back(op);
-          }
+        MemOpBatch b;
+        // Write v to a semaphore where the mode waits on it, and to its
+        // pinned host twin too when mirrored.
+        const CUdeviceptr host_offset = base - sem_base();
+        auto write = [&](CUdeviceptr at, uint64_t v) {
+          b.Write(at, v);
+          if (mirror) b.Write(at + host_offset, v);
         };
-        auto wait = [&](CUdeviceptr at, uint64_t v) {
-          CUstreamBatchMemOpParams op = {};
-          op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-          op.waitValue.address = at;
-          op.waitValue.value64 = v;
-          op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-          ops.push_back(op);
-        };
-        auto flush = [&](CUstream st) {
-          if (!ops.empty()) CU(cuStreamBatchMemOp(st, static_cast<unsigned>(ops.size()), ops.data(), 0));
-          ops.clear();
-        };
-        const CUdeviceptr host_offset = mirror ? base - sem_base() : 0;
-        auto twin = [&](CUdeviceptr at) { return mirror ? at + host_offset : CUdeviceptr{0}; };
         for (int i = 1; i <= calls; ++i) {
           if (!local) {
-            write(in(p), twin(in(p)), i);
-            if (!client_batch) flush(cs);
-            if (!in_only) wait(done(p), i);
-            flush(cs);
+            write(in(p), i);
+            if (!client_batch) b.Flush(c[p]);
+            if (!in_only) b.Wait(done(p), i);
+            b.Flush(c[p]);
             // sem_batch: call i's wait went out with call i-1's "done".
             if (!batch || i == 1) {
-              wait(in(p), i);
-              flush(ds);
+              b.Wait(in(p), i);
+              b.Flush(d[p]);
             }
           }
           Copy<<<132, 512, 0, d[p]>>>(src, dst[p], n);
           if (local || in_only) continue;
-          write(done(p), twin(done(p)), i);
-          if (batch && i < calls) wait(in(p), i + 1);
-          flush(ds);
+          write(done(p), i);
+          if (batch && i < calls) b.Wait(in(p), i + 1);
+          b.Flush(d[p]);
         }
       }
       const auto t0 = Clock::now();
@@ -733,26 +739,7 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
   PROBE_CHECK(cudaMalloc(&dst, bytes * (daemon ? pairs : 1)));
   std::vector<cudaStream_t> st(daemon ? pairs : 1);
   for (auto& x : st) PROBE_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
-  std::vector<CUstreamBatchMemOpParams> ops;
-  auto write = [&](CUdeviceptr at, uint64_t v) {
-    CUstreamBatchMemOpParams o = {};
-    o.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    o.writeValue.address = at;
-    o.writeValue.value64 = v;
-    ops.push_back(o);
-  };
-  auto wait = [&](CUdeviceptr at, uint64_t v) {
-    CUstreamBatchMemOpParams o = {};
-    o.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-    o.waitValue.address = at;
-    o.waitValue.value64 = v;
-    o.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    ops.push_back(o);
-  };
-  auto flush = [&](cudaStream_t s) {
-    CU(cuStreamBatchMemOp(reinterpret_cast<CUstream>(s), static_cast<unsigned>(ops.size()), ops.data(), 0));
-    ops.clear();
-  };
+  MemOpBatch b;
   const bool twin = mode == XMode::kDevTwin;
   if (!daemon || mode != XMode::kLocal) {
     for (size_t q = 0; q < st.size(); ++q) {
@@ -762,18 +749,18 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
         if (mode == XMode::kLocal) {
           Copy<<<132, 512, 0, st[q]>>>(src, dst, n);
         } else if (!daemon) {  // the client: "inputs ready", then wait "done", one batch
-          write(twin ? dev_word(p, 0) : word(p, 0), i);
-          if (twin) write(word(p, 0), i);
-          wait(twin ? dev_word(p, 1) : word(p, 1), i);
-          flush(st[q]);
+          b.Write(twin ? dev_word(p, 0) : word(p, 0), i);
+          if (twin) b.Write(word(p, 0), i);
+          b.Wait(twin ? dev_word(p, 1) : word(p, 1), i);
+          b.Flush(st[q]);
         } else {  // the daemon: wait, run, "done" (and its twin) and its own copy in one batch
-          wait(twin ? dev_word(p, 0) : word(p, 0), i);
-          flush(st[q]);
+          b.Wait(twin ? dev_word(p, 0) : word(p, 0), i);
+          b.Flush(st[q]);
           Copy<<<132, 512, 0, st[q]>>>(src, dst + q * n, n);
-          if (twin) write(dev_word(p, 1), i);
-          write(word(p, 1), i);
-          write(word(p, 2), i);
-          flush(st[q]);
+          if (twin) b.Write(dev_word(p, 1), i);
+          b.Write(word(p, 1), i);
+          b.Write(word(p, 2), i);
+          b.Flush(st[q]);
         }
       }
     }
