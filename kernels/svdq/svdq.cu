@@ -440,6 +440,10 @@ auto* quant_kernel() {
   return kernel;
 }
 
+// The quantizer grid's blocks along M: a warp takes 16 rows, a block
+// kQuantWarps warps.
+int64_t quant_row_blocks(int64_t m_pad) { return cuda::ceil_div(cuda::ceil_div(m_pad, 16), kQuantWarps); }
+
 // Groups per K split of the quantizer's grid, from a cost model fitted to
 // its time at every split count, M in {256, 1024, 4608} x K in {3072,
 // 12288, 15360}, rank 32, on an H100 (DESIGN 8; 7% rms error, each pick
@@ -453,17 +457,16 @@ auto* quant_kernel() {
 // splits first so that a tie keeps them; the last few answers are kept per
 // thread, since the search costs ~0.3-0.7 us of host time against a
 // quantizer call of 10-100 us.
-int64_t quant_groups_per_split(int64_t groups, int64_t row_blocks, int64_t m_pad, int64_t rank, int64_t sms) {
+int64_t quant_groups_per_split(int64_t groups, int64_t m_pad, int64_t rank, int64_t sms) {
   struct Pick {
-    int64_t groups = -1, row_blocks, m_pad, rank, sms, per;
+    int64_t groups = -1, m_pad, rank, sms, per;
   };
   thread_local std::array<Pick, 8> recent{};
   thread_local size_t next_slot = 0;
   for (const Pick& p : recent) {
-    if (p.groups == groups && p.row_blocks == row_blocks && p.m_pad == m_pad && p.rank == rank && p.sms == sms) {
-      return p.per;
-    }
+    if (p.groups == groups && p.m_pad == m_pad && p.rank == rank && p.sms == sms) return p.per;
   }
+  const int64_t row_blocks = quant_row_blocks(m_pad);
   int64_t best_per = groups;
   double best_cost = -1;
   for (int64_t next = std::min(groups, kMaxSplitGroups); next >= 1;) {
@@ -475,7 +478,7 @@ int64_t quant_groups_per_split(int64_t groups, int64_t row_blocks, int64_t m_pad
     if (best_cost < 0 || cost < best_cost) best_cost = cost, best_per = per;
     next = per - 1;
   }
-  recent[next_slot++ % recent.size()] = Pick{groups, row_blocks, m_pad, rank, sms, best_per};
+  recent[next_slot++ % recent.size()] = Pick{groups, m_pad, rank, sms, best_per};
   return best_per;
 }
 
@@ -493,10 +496,9 @@ void quantize_act_launcher(const at::Tensor& input, const OptTensor& lora_down, 
     return;
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t row_blocks = cuda::ceil_div(cuda::ceil_div(m_pad, 16), kQuantWarps);
+  const int64_t row_blocks = quant_row_blocks(m_pad);
   const int64_t per_split =
-      quant_groups_per_split(groups, row_blocks, m_pad, rank,
-                             at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+      quant_groups_per_split(groups, m_pad, rank, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const int64_t splits = cuda::ceil_div(groups, per_split);
   const size_t smem = kQuantRingBytes + (smooth ? static_cast<size_t>(per_split) * 64 * sizeof(float) : 0);
   at::Tensor partial =
