@@ -72,7 +72,16 @@
 //              client running the copy itself (local), and with the
 //              semaphores waited on in the daemon's device memory (CUDA IPC)
 //              and every write also to the host word (dev_twin): aggregate
-//              calls/s.
+//              calls/s. Then the same two protocols live (live_sem_cb,
+//              live_dev_twin): nothing enqueued ahead; each client's host
+//              loop enqueues a call and publishes its number in the shared
+//              page, and the daemon's one host thread takes what is
+//              published and enqueues it, at most 32 calls beyond the
+//              "inputs ready" its host sees, as the executor does; and
+//              live_sem_cb_slow, whose daemon spends 6 us more of host time
+//              per call (about what torch's dispatch and the executor's
+//              bookkeeping add to the driver's work). Which of GPU, daemon
+//              host and arrival order bounds the daemon's many clients.
 //
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs
@@ -687,13 +696,25 @@ struct XShared {
   std::atomic<int> dev_ready{0};
   std::atomic<int> enqueued{0};
   std::atomic<int64_t> end_ns[64];
+  std::atomic<int> go{0};                 // live modes: the parent starts every host loop at once
+  std::atomic<uint64_t> published[64]{};  // live modes: client p's last call number enqueued
 };
 
-enum class XMode { kLocal, kSemCb, kDevTwin };
+enum class XMode { kLocal, kSemCb, kDevTwin, kLiveSemCb, kLiveDevTwin, kLiveSemCbSlow };
 
 static const char* XModeName(XMode m) {
-  return m == XMode::kLocal ? "local" : m == XMode::kSemCb ? "sem_cb" : "dev_twin";
+  switch (m) {
+    case XMode::kLocal: return "local";
+    case XMode::kSemCb: return "sem_cb";
+    case XMode::kDevTwin: return "dev_twin";
+    case XMode::kLiveSemCb: return "live_sem_cb";
+    case XMode::kLiveDevTwin: return "live_dev_twin";
+    case XMode::kLiveSemCbSlow: return "live_sem_cb_slow";
+  }
+  return "?";
 }
+
+static bool XLive(XMode m) { return m == XMode::kLiveSemCb || m == XMode::kLiveDevTwin || m == XMode::kLiveSemCbSlow; }
 
 static int64_t NowNs() {
   timespec ts;
@@ -720,7 +741,8 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
   // dev_twin: the semaphores waited on live in the daemon's device memory;
   // every write also goes to the host word, for host readers.
   void* dev = nullptr;
-  if (mode == XMode::kDevTwin) {
+  const bool twin = mode == XMode::kDevTwin || mode == XMode::kLiveDevTwin;
+  if (twin) {
     if (daemon) {
       PROBE_CHECK(cudaMalloc(&dev, 4096));
       PROBE_CHECK(cudaMemset(dev, 0, 4096));
@@ -740,7 +762,56 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
   std::vector<cudaStream_t> st(daemon ? pairs : 1);
   for (auto& x : st) PROBE_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
   MemOpBatch b;
-  const bool twin = mode == XMode::kDevTwin;
+  // One call of either side, as the enqueued-ahead modes and the live ones issue it.
+  auto client_call = [&](cudaStream_t s, int p, uint64_t i) {  // "inputs ready", then wait "done", one batch
+    b.Write(twin ? dev_word(p, 0) : word(p, 0), i);
+    if (twin) b.Write(word(p, 0), i);
+    b.Wait(twin ? dev_word(p, 1) : word(p, 1), i);
+    b.Flush(s);
+  };
+  auto daemon_call = [&](cudaStream_t s, int p, uint64_t i, int4* out) {  // wait, run, "done" (+ twin) and own copy
+    b.Wait(twin ? dev_word(p, 0) : word(p, 0), i);
+    b.Flush(s);
+    Copy<<<132, 512, 0, s>>>(src, out, n);
+    if (twin) b.Write(dev_word(p, 1), i);
+    b.Write(word(p, 1), i);
+    b.Write(word(p, 2), i);
+    b.Flush(s);
+  };
+  if (XLive(mode)) {
+    sh->enqueued.fetch_add(1, std::memory_order_acq_rel);  // set up: ready to start
+    while (sh->go.load(std::memory_order_acquire) == 0) {
+    }
+    if (!daemon) {
+      for (int i = 1; i <= calls; ++i) {
+        client_call(st[0], who, i);
+        sh->published[who].store(i, std::memory_order_release);
+      }
+    } else {
+      // The executor's rule: at most 32 calls beyond the "inputs ready" the
+      // host sees (the host word; dev_twin writes it too).
+      constexpr uint64_t kAhead = 32;
+      const auto extra = std::chrono::microseconds(mode == XMode::kLiveSemCbSlow ? 6 : 0);
+      std::vector<uint64_t> taken(pairs, 0);
+      for (int left = pairs; left > 0;) {
+        for (int p = 0; p < pairs; ++p) {
+          const uint64_t published = sh->published[p].load(std::memory_order_acquire);
+          const auto* in_seen = reinterpret_cast<const volatile uint64_t*>(&sh->sem[8 * p]);
+          while (taken[p] < published && taken[p] + 1 - *in_seen <= kAhead) {
+            const uint64_t i = ++taken[p];
+            daemon_call(st[p], p, i, dst + p * n);
+            for (const auto until = std::chrono::steady_clock::now() + extra;
+                 std::chrono::steady_clock::now() < until;) {
+            }
+            if (i == static_cast<uint64_t>(calls)) --left;
+          }
+        }
+      }
+    }
+    PROBE_CHECK(cudaDeviceSynchronize());
+    sh->end_ns[who].store(NowNs(), std::memory_order_release);
+    return 0;
+  }
   if (!daemon || mode != XMode::kLocal) {
     for (size_t q = 0; q < st.size(); ++q) {
       const int p = daemon ? static_cast<int>(q) : who;
@@ -748,19 +819,10 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
       for (int i = 1; i <= calls; ++i) {
         if (mode == XMode::kLocal) {
           Copy<<<132, 512, 0, st[q]>>>(src, dst, n);
-        } else if (!daemon) {  // the client: "inputs ready", then wait "done", one batch
-          b.Write(twin ? dev_word(p, 0) : word(p, 0), i);
-          if (twin) b.Write(word(p, 0), i);
-          b.Wait(twin ? dev_word(p, 1) : word(p, 1), i);
-          b.Flush(st[q]);
-        } else {  // the daemon: wait, run, "done" (and its twin) and its own copy in one batch
-          b.Wait(twin ? dev_word(p, 0) : word(p, 0), i);
-          b.Flush(st[q]);
-          Copy<<<132, 512, 0, st[q]>>>(src, dst + q * n, n);
-          if (twin) b.Write(dev_word(p, 1), i);
-          b.Write(word(p, 1), i);
-          b.Write(word(p, 2), i);
-          b.Flush(st[q]);
+        } else if (!daemon) {
+          client_call(st[q], p, i);
+        } else {
+          daemon_call(st[q], p, i, dst + q * n);
         }
       }
     }
@@ -773,14 +835,17 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
 
 static int XPairs(int calls) {
   for (int pairs : {1, 2, 4, 8}) {
-    for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kDevTwin}) {
+    for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kDevTwin, XMode::kLiveSemCb, XMode::kLiveDevTwin,
+                             XMode::kLiveSemCbSlow}) {
+      // Live: more calls, so the start (every process leaving its spin) is a small part.
+      const int mode_calls = XLive(mode) ? 5 * calls : calls;
       void* mem = mmap(nullptr, sizeof(XShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
       if (mem == MAP_FAILED) return 1;
       auto* sh = new (mem) XShared();
       std::vector<pid_t> kids;
       for (int who = 0; who <= pairs; ++who) {
         const pid_t pid = fork();
-        if (pid == 0) _exit(XPairsChild(sh, pairs, calls, mode, who));
+        if (pid == 0) _exit(XPairsChild(sh, pairs, mode_calls, mode, who));
         kids.push_back(pid);
       }
       while (sh->enqueued.load(std::memory_order_acquire) < pairs + 1) {
@@ -796,17 +861,23 @@ static int XPairs(int calls) {
       }
       const int64_t t0 = NowNs();
       reinterpret_cast<std::atomic<uint64_t>*>(&sh->sem[500])->store(1, std::memory_order_release);
+      sh->go.store(1, std::memory_order_release);
+      // A process that fails leaves the others waiting on it (a live daemon
+      // on calls never published): the first failure ends them all.
       int failed = 0;
-      for (pid_t pid : kids) {
+      for (size_t left = kids.size(); left > 0; --left) {
         int status = 0;
-        waitpid(pid, &status, 0);
-        failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (wait(&status) <= 0) break;
+        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0) && failed++ == 0) {
+          for (pid_t pid : kids) kill(pid, SIGKILL);
+        }
       }
       int64_t end = t0;
       for (int who = 0; who <= pairs; ++who) end = std::max(end, sh->end_ns[who].load());
       const double secs = (end - t0) * 1e-9;
-      std::printf("xpairs P=%-2d mode=%-8s calls/s=%9.0f us_per_call=%6.2f (all clients together)%s\n", pairs,
-                  XModeName(mode), pairs * calls / secs, 1e6 * secs / (pairs * calls), failed ? " FAILED" : "");
+      std::printf("xpairs P=%-2d mode=%-16s calls/s=%9.0f us_per_call=%6.2f (all clients together)%s\n", pairs,
+                  XModeName(mode), pairs * mode_calls / secs, 1e6 * secs / (pairs * mode_calls),
+                  failed ? " FAILED" : "");
       munmap(mem, sizeof(XShared));
       if (failed) return 1;
     }
