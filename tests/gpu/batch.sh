@@ -24,8 +24,10 @@
 #   all             tests/gpu/run.sh (every suite)
 #   bench-quick[=C[|A]]  bench/run.sh --quick, cases C (comma-separated;
 #                   default all), extra daemon flags A  -> $OUT/bench[.N]
-#   bench-full[=F]  bench/run.sh (the full suite) with bench/run.sh flags F
-#                   (space-separated, e.g. "--mps")      -> $OUT/bench-full[.N]
+#   bench-full[=F[|A]]  bench/run.sh (the full suite) with bench/run.sh flags F
+#                   (space-separated, e.g. "--mps --only pipelined") and extra
+#                   daemon flags A (e.g. "--ring-capacity 8")
+#                                                        -> $OUT/bench-full[.N]
 # Each step's output goes to $OUT/<step>[.N].log (N counts repeats of a step);
 # its last lines and its exit status are printed as it ends.
 set -uo pipefail
@@ -93,7 +95,8 @@ for step in "$@"; do
       [ "$arg" != "${arg#*|}" ] && cmd+=(--daemon-args "${arg#*|}") ;;
     bench-full)
       # shellcheck disable=SC2206  # F is a list of flags
-      cmd=(bench/run.sh --no-readme --build "$BUILD" --out "$OUT/bench-full${tag#bench-full}" ${arg}) ;;
+      cmd=(bench/run.sh --no-readme --build "$BUILD" --out "$OUT/bench-full${tag#bench-full}" ${arg%%|*})
+      [ "$arg" != "${arg#*|}" ] && cmd+=(--daemon-args "${arg#*|}") ;;
     *) say "unknown step '$name'"; RC=2; continue ;;
   esac
   [ "$name" = svdq-bench ] && [ -n "$arg" ] && cmd+=(--schedules "${arg/#none/}")
