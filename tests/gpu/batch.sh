@@ -91,15 +91,15 @@ for step in "$@"; do
     all) cmd=(env OUT="$OUT/run" tests/gpu/run.sh) ;;
     bench-quick)
       cmd=(bench/run.sh --quick --no-readme --build "$BUILD" --out "$OUT/bench${tag#bench-quick}")
-      [ -n "${arg%%|*}" ] && cmd+=(--only "${arg%%|*}")
-      [ "$arg" != "${arg#*|}" ] && cmd+=(--daemon-args "${arg#*|}") ;;
+      [ -n "${arg%%|*}" ] && cmd+=(--only "${arg%%|*}") ;;
     bench-full)
       # shellcheck disable=SC2206  # F is a list of flags
-      cmd=(bench/run.sh --no-readme --build "$BUILD" --out "$OUT/bench-full${tag#bench-full}" ${arg%%|*})
-      [ "$arg" != "${arg#*|}" ] && cmd+=(--daemon-args "${arg#*|}") ;;
+      cmd=(bench/run.sh --no-readme --build "$BUILD" --out "$OUT/bench-full${tag#bench-full}" ${arg%%|*}) ;;
     *) say "unknown step '$name'"; RC=2; continue ;;
   esac
   [ "$name" = svdq-bench ] && [ -n "$arg" ] && cmd+=(--schedules "${arg/#none/}")
+  # bench-quick and bench-full: what follows a '|' is extra daemon flags.
+  [[ "$name" == bench-* && "$arg" == *"|"* ]] && cmd+=(--daemon-args "${arg#*|}")
   timeout "$limit" "${cmd[@]}" > "$OUT/$tag.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/$tag.log"
