@@ -61,6 +61,7 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
   executor_options.thread_name = "opd-exec";
   executor_options.parking_slots = static_cast<int>(options_.parking_slots);
   executor_options.park_deadline = std::chrono::milliseconds(options_.park_deadline_ms);
+  executor_options.max_calls_ahead = static_cast<int>(options_.calls_ahead);
   // Ending the session waits for the executor, so never on its thread.
   executor_options.on_stalled = [this](const std::shared_ptr<Session>& s, const Status& why) {
     const uint64_t id = s->id();
@@ -599,6 +600,7 @@ void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
     }
   };
   RingConsumerOptions ro;  // its spin and sleep are the executor's: it polls the ring
+  ro.max_held = options_.held_calls;
   std::lock_guard<std::mutex> lock(rings_mu_);
   // A racing End has set kClosed before its OnSessionEnd takes rings_mu_: if
   // we see kBound here, that OnSessionEnd will find and stop this consumer.

@@ -170,6 +170,12 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     } else if (flag == "--park-deadline-ms") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 3600000, &opts->park_deadline_ms));
+    } else if (flag == "--calls-ahead") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 64, &opts->calls_ahead));
+    } else if (flag == "--held-calls") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 4096, &opts->held_calls));
     } else if (flag == "--memory-trim-ms") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 3600000, &opts->memory_trim_ms));
@@ -196,7 +202,8 @@ std::string OptionsUsage() {
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
          "                     [--spin-us US] [--executor-threads N] [--parking-slots N]\n"
-         "                     [--park-deadline-ms MS] [--memory-trim-ms MS]\n"
+         "                     [--park-deadline-ms MS] [--calls-ahead N] [--held-calls N]\n"
+         "                     [--memory-trim-ms MS]\n"
          "                     [--metrics-address HOST:PORT] ; see --help\n";
 }
 
@@ -261,6 +268,13 @@ std::string OptionsHelp() {
          "  --park-deadline-ms MS    A parked lane whose inputs have not moved for MS gives up its\n"
          "                           slot when another lane needs one; its session ends with\n"
          "                           INPUTS_STALLED (default 2000).\n"
+         "  --calls-ahead N          Calls a lane may have on the GPU beyond the inputs its client\n"
+         "                           is seen to have ready, in [1, 64] (default 32); later ones\n"
+         "                           wait in the daemon. Bounds a lane stream's command queue.\n"
+         "  --held-calls N           Decoded calls a session may have waiting in the daemon, in\n"
+         "                           [1, 4096] (default 256); beyond it the client's calls wait in\n"
+         "                           its own ring, so a client far ahead of the GPU costs the\n"
+         "                           daemon no memory.\n"
          "  --memory-trim-ms MS      Every MS, give memory freed since (more than 16M of it, e.g.\n"
          "                           after a burst of oversized requests) back to the kernel with\n"
          "                           malloc_trim (default 10000; 0: never).\n"

@@ -50,6 +50,8 @@ struct Options {
   uint32_t executor_threads = 1;         // --executor-threads: executors polling rings and launching, 1..16
   uint32_t parking_slots = 8;            // --parking-slots: lanes with a GPU wait parked at once (0: host checks)
   uint32_t park_deadline_ms = 2000;      // --park-deadline-ms: a parked lane this still loses its slot
+  uint32_t calls_ahead = 32;             // --calls-ahead: a lane's calls on the GPU beyond its visible inputs
+  uint32_t held_calls = 256;             // --held-calls: a session's decoded calls not yet launched
   uint32_t memory_trim_ms = 10000;       // --memory-trim-ms: freed memory back to the kernel (0: never)
   // --metrics-address: where Prometheus /metrics is served; "" = off.
   std::string metrics_address = "127.0.0.1:9464";

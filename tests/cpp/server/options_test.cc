@@ -62,6 +62,11 @@ TEST(OptionsTest, RingFlags) {
   EXPECT_EQ(o.ring_capacity, 1024u);
   EXPECT_EQ(o.spin_us, 0u);
   EXPECT_EQ(o.executor_threads, 4u);
+  EXPECT_EQ(o.calls_ahead, 32u);
+  EXPECT_EQ(o.held_calls, 256u);
+  ASSERT_TRUE(Parse({"--calls-ahead", "4", "--held-calls=4096"}, &o, &help).ok());
+  EXPECT_EQ(o.calls_ahead, 4u);
+  EXPECT_EQ(o.held_calls, 4096u);
   ASSERT_TRUE(Parse({"--no-ring", "--ring", "--ring-capacity=8"}, &o, &help).ok());
   EXPECT_TRUE(o.ring);  // the last one wins
   EXPECT_EQ(o.ring_capacity, 8u);
@@ -77,6 +82,9 @@ TEST(OptionsTest, RingFlags) {
       {{"--spin-us", "100001"}, "out of range"},
       {{"--executor-threads", "0"}, "out of range [1, 16]"},
       {{"--executor-threads=17"}, "out of range [1, 16]"},
+      {{"--calls-ahead", "0"}, "out of range [1, 64]"},
+      {{"--calls-ahead", "65"}, "out of range [1, 64]"},
+      {{"--held-calls", "4097"}, "out of range [1, 4096]"},
       {{"--ring=yes"}, "--ring takes no value"},
       {{"--no-ring=1"}, "--no-ring takes no value"},
   };
@@ -166,7 +174,7 @@ TEST(OptionsTest, HelpDocumentsEveryFlag) {
                            "--max-regions", "--max-mapped-bytes", "--max-message-bytes", "--drain-deadline-ms",
                            "--bind-timeout-ms", "--allowed-gid", "--load-library", "--ring", "--no-ring",
                            "--ring-capacity", "--spin-us", "--executor-threads", "--parking-slots",
-                           "--park-deadline-ms", "--memory-trim-ms", "--metrics-address", "--help"}) {
+                           "--park-deadline-ms", "--calls-ahead", "--held-calls", "--memory-trim-ms", "--metrics-address", "--help"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(text.find(".session.sock"), std::string::npos);
