@@ -12,6 +12,12 @@
 // rounding, in two grid shapes: one 16-byte vector (of the read side) per
 // thread and launch-sized grid ("flat"), and a grid of resident blocks
 // striding over the data with four loads in flight per thread ("resident").
+// The plain kernels give each thread its own kR, kW consecutive vectors, so
+// a warp's store instruction of a 1 : 2 mix writes every other 16 bytes (half
+// of each 32-byte sector). Two more 1 : 2 layouts show what that costs: the
+// same vectors with a warp's w-th store covering 512 contiguous bytes
+// ("warp-contiguous"), and 8-byte loads with one 16-byte store per thread
+// ("8-byte loads": the dequantizers' pack, 8 FP8 values to 8 BF16 ones).
 // Bandwidth = (bytes read + bytes written) / median time of 20 launches.
 #include <cuda_runtime.h>
 
@@ -72,6 +78,41 @@ __global__ void __launch_bounds__(kThreads)
   for (; i < units; i += stride) unit<kR, kW>(in, out, i);
 }
 
+// 1 : 2, a warp's w-th store covering 32 contiguous vectors.
+__global__ void __launch_bounds__(kThreads)
+    flat_warp_contiguous(const uint4* __restrict__ in, uint4* __restrict__ out, long long units) {
+  const long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= units) return;
+  const uint4 v = in[i];
+  const long long base = (i >> 5) * 64 + (i & 31);
+  out[base] = v;
+  out[base + 32] = make_uint4(v.x ^ 1u, v.y, v.z, v.w);
+}
+
+// 1 : 2, each thread reads 8 bytes and writes 16.
+__global__ void __launch_bounds__(kThreads)
+    flat_pack8(const uint2* __restrict__ in, uint4* __restrict__ out, long long units) {
+  const long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= units) return;
+  const uint2 v = in[i];
+  out[i] = make_uint4(v.x, v.y, v.x ^ 1u, v.y);
+}
+
+// The same with four units per thread in flight, blocks resident.
+__global__ void __launch_bounds__(kThreads)
+    resident_pack8(const uint2* __restrict__ in, uint4* __restrict__ out, long long units) {
+  const long long stride = static_cast<long long>(gridDim.x) * kThreads;
+  long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; i + 3 * stride < units; i += 4 * stride) {
+    uint2 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = in[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) out[i + u * stride] = make_uint4(v[u].x, v[u].y, v[u].x ^ 1u, v[u].y);
+  }
+  for (; i < units; i += stride) out[i] = make_uint4(in[i].x, in[i].y, in[i].x ^ 1u, in[i].y);
+}
+
 template <typename F>
 float median_ms(F&& launch) {
   cudaEvent_t a, b;
@@ -127,7 +168,7 @@ int main(int argc, char** argv) {
   for (const Mix& m : mixes) {
     const long long units = total / 16 / (m.r + m.w);
     const double bytes = 16.0 * units * (m.r + m.w);
-    auto run = [&](auto kernel, bool is_resident) {
+    auto run = [&](auto kernel, bool is_resident, const char* grid = nullptr) {
       long long blocks = (units + kThreads - 1) / kThreads;
       if (is_resident) {
         PROBE_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
@@ -135,16 +176,36 @@ int main(int argc, char** argv) {
       }
       const double ms = median_ms([&] { kernel<<<static_cast<unsigned>(blocks), kThreads>>>(in, out, units); });
       const double gbs = bytes / ms / 1e6;
-      std::printf("| %s | %s | %.0f | %.0f%% |\n", m.name, is_resident ? "resident" : "flat", gbs,
+      std::printf("| %s | %s | %.0f | %.0f%% |\n", m.name, grid ? grid : is_resident ? "resident" : "flat", gbs,
                   100.0 * gbs / memcpy_gbs);
     };
     if (m.w == 2) {
       run(flat<1, 2>, false), run(resident<1, 2>, true);
+      run(flat_warp_contiguous, false, "flat, warp-contiguous");
     } else if (m.r == 2) {
       run(flat<2, 1>, false), run(resident<2, 1>, true);
     } else {
       run(flat<1, 1>, false), run(resident<1, 1>, true);
     }
+  }
+  {
+    // 8 bytes read, 16 written per unit: the same total as the cases above.
+    const long long units = total / 24;
+    const double bytes = 24.0 * units;
+    auto run = [&](auto kernel, bool is_resident) {
+      long long blocks = (units + kThreads - 1) / kThreads;
+      if (is_resident) {
+        PROBE_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+        blocks = std::min<long long>(blocks, static_cast<long long>(per_sm) * sms);
+      }
+      const double ms = median_ms([&] {
+        kernel<<<static_cast<unsigned>(blocks), kThreads>>>(reinterpret_cast<const uint2*>(in), out, units);
+      });
+      const double gbs = bytes / ms / 1e6;
+      std::printf("| 1 : 2, 8-byte loads | %s | %.0f | %.0f%% |\n", is_resident ? "resident" : "flat", gbs,
+                  100.0 * gbs / memcpy_gbs);
+    };
+    run(flat_pack8, false), run(resident_pack8, true);
   }
   PROBE_CHECK(cudaFree(in));
   PROBE_CHECK(cudaFree(out));

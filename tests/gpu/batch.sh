@@ -16,6 +16,7 @@
 #                   default                              -> $OUT/svdq.json
 #   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-overlap)
 #   probe-wgmma[=P] opd_wgmma_loop_probe, runs P (comma-separated; default all)
+#   probe-traffic   opd_traffic_probe: DRAM bandwidth of each read : write mix
 #   probe-handoff   bench/probes/handoff.sh: the hand-off's GPU ceiling, one
 #                   context and a process per client, without and under MPS
 #   ctest-gpu       ctest -L gpu
@@ -84,6 +85,7 @@ for step in "$@"; do
     svdq-bench) cmd=(python3 bench/svdq.py --lib "$LIB" --json "$OUT/svdq.json") ;;
     ncu-svdq) cmd=(bench/ncu_svdq.sh --lib "$LIB" --out "$OUT/ncu" --schedules "${arg:-sm90,sm90-overlap}") ;;
     probe-wgmma) cmd=("$BUILD/bench/probes/opd_wgmma_loop_probe" ${arg//,/ }) ;;
+    probe-traffic) cmd=("$BUILD/bench/probes/opd_traffic_probe") ;;
     probe-handoff) cmd=(bench/probes/handoff.sh "$BUILD/bench/probes/opd_stream_queues_probe") ;;
     ctest-gpu) cmd=(ctest --test-dir "$BUILD" --output-on-failure -L gpu) ;;
     kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;
