@@ -141,6 +141,30 @@ struct Mix {
   int r, w;
 };
 
+struct Device {
+  const uint4* in;
+  uint4* out;
+  int sms;
+  double memcpy_gbs;
+};
+
+// Times `kernel` over `units` units of `unit_bytes` (read + write) each and
+// prints its table row; a resident grid has as many blocks as fit at once.
+template <typename In>
+void run(const Device& d, void (*kernel)(const In*, uint4*, long long), const char* mix, const char* grid,
+         bool resident, long long units, int unit_bytes) {
+  long long blocks = (units + kThreads - 1) / kThreads;
+  if (resident) {
+    int per_sm = 0;
+    PROBE_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+    blocks = std::min<long long>(blocks, static_cast<long long>(per_sm) * d.sms);
+  }
+  const In* in = reinterpret_cast<const In*>(d.in);
+  const double ms = median_ms([&] { kernel<<<static_cast<unsigned>(blocks), kThreads>>>(in, d.out, units); });
+  const double gbs = static_cast<double>(unit_bytes) * units / ms / 1e6;
+  std::printf("| %s | %s | %.0f | %.0f%% |\n", mix, grid, gbs, 100.0 * gbs / d.memcpy_gbs);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -151,7 +175,7 @@ int main(int argc, char** argv) {
   PROBE_CHECK(cudaMalloc(&in, total));
   PROBE_CHECK(cudaMalloc(&out, total));
   PROBE_CHECK(cudaMemset(in, 1, total));
-  int sms = 0, per_sm = 0, dev = 0;
+  int sms = 0, dev = 0;
   PROBE_CHECK(cudaGetDevice(&dev));
   PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop{};
@@ -164,49 +188,26 @@ int main(int argc, char** argv) {
   std::printf("cudaMemcpyAsync device to device: %.0f GB/s (read + write)\n\n", memcpy_gbs);
   std::printf("| read : write | grid | GB/s (read + write) | of cudaMemcpy |\n| --- | --- | ---: | ---: |\n");
 
+  const Device d{in, out, sms, memcpy_gbs};
   const Mix mixes[] = {{"1 : 1", 1, 1}, {"1 : 2", 1, 2}, {"2 : 1", 2, 1}};
   for (const Mix& m : mixes) {
     const long long units = total / 16 / (m.r + m.w);
-    const double bytes = 16.0 * units * (m.r + m.w);
-    auto run = [&](auto kernel, bool is_resident, const char* grid = nullptr) {
-      long long blocks = (units + kThreads - 1) / kThreads;
-      if (is_resident) {
-        PROBE_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-        blocks = std::min<long long>(blocks, static_cast<long long>(per_sm) * sms);
-      }
-      const double ms = median_ms([&] { kernel<<<static_cast<unsigned>(blocks), kThreads>>>(in, out, units); });
-      const double gbs = bytes / ms / 1e6;
-      std::printf("| %s | %s | %.0f | %.0f%% |\n", m.name, grid ? grid : is_resident ? "resident" : "flat", gbs,
-                  100.0 * gbs / memcpy_gbs);
-    };
+    const int unit_bytes = 16 * (m.r + m.w);
     if (m.w == 2) {
-      run(flat<1, 2>, false), run(resident<1, 2>, true);
-      run(flat_warp_contiguous, false, "flat, warp-contiguous");
+      run(d, flat<1, 2>, m.name, "flat", false, units, unit_bytes);
+      run(d, resident<1, 2>, m.name, "resident", true, units, unit_bytes);
+      run(d, flat_warp_contiguous, m.name, "flat, warp-contiguous", false, units, unit_bytes);
     } else if (m.r == 2) {
-      run(flat<2, 1>, false), run(resident<2, 1>, true);
+      run(d, flat<2, 1>, m.name, "flat", false, units, unit_bytes);
+      run(d, resident<2, 1>, m.name, "resident", true, units, unit_bytes);
     } else {
-      run(flat<1, 1>, false), run(resident<1, 1>, true);
+      run(d, flat<1, 1>, m.name, "flat", false, units, unit_bytes);
+      run(d, resident<1, 1>, m.name, "resident", true, units, unit_bytes);
     }
   }
-  {
-    // 8 bytes read, 16 written per unit: the same total as the cases above.
-    const long long units = total / 24;
-    const double bytes = 24.0 * units;
-    auto run = [&](auto kernel, bool is_resident) {
-      long long blocks = (units + kThreads - 1) / kThreads;
-      if (is_resident) {
-        PROBE_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-        blocks = std::min<long long>(blocks, static_cast<long long>(per_sm) * sms);
-      }
-      const double ms = median_ms([&] {
-        kernel<<<static_cast<unsigned>(blocks), kThreads>>>(reinterpret_cast<const uint2*>(in), out, units);
-      });
-      const double gbs = bytes / ms / 1e6;
-      std::printf("| 1 : 2, 8-byte loads | %s | %.0f | %.0f%% |\n", is_resident ? "resident" : "flat", gbs,
-                  100.0 * gbs / memcpy_gbs);
-    };
-    run(flat_pack8, false), run(resident_pack8, true);
-  }
+  // 8 bytes read, 16 written per unit: the same total as the cases above.
+  run(d, flat_pack8, "1 : 2, 8-byte loads", "flat", false, total / 24, 24);
+  run(d, resident_pack8, "1 : 2, 8-byte loads", "resident", true, total / 24, 24);
   PROBE_CHECK(cudaFree(in));
   PROBE_CHECK(cudaFree(out));
   return 0;
