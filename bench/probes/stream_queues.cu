@@ -82,6 +82,13 @@
 //              per call (about what torch's dispatch and the executor's
 //              bookkeeping add to the driver's work). Which of GPU, daemon
 //              host and arrival order bounds the daemon's many clients.
+//              Two more live modes separate what the real clients add to
+//              live_sem_cb, whose asynchronous calls cost the GPU ~7 us more
+//              than synchronous ones in bench/run.sh's pipelined case:
+//              live_sem_cb_fence records the client's fence event after each
+//              call (as the client's lanes do), and live_sem_cb_answered
+//              enqueues call i + 1 only once the daemon has enqueued call i
+//              (a synchronous client's host timing).
 //
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs
@@ -698,9 +705,19 @@ struct XShared {
   std::atomic<int64_t> end_ns[64];
   std::atomic<int> go{0};                 // live modes: the parent starts every host loop at once
   std::atomic<uint64_t> published[64]{};  // live modes: client p's last call number enqueued
+  std::atomic<uint64_t> answered[64]{};   // live modes: the daemon's last call of client p enqueued
 };
 
-enum class XMode { kLocal, kSemCb, kDevTwin, kLiveSemCb, kLiveDevTwin, kLiveSemCbSlow };
+enum class XMode {
+  kLocal,
+  kSemCb,
+  kDevTwin,
+  kLiveSemCb,
+  kLiveDevTwin,
+  kLiveSemCbSlow,
+  kLiveSemCbFence,
+  kLiveSemCbAnswered
+};
 
 static const char* XModeName(XMode m) {
   switch (m) {
@@ -710,11 +727,13 @@ static const char* XModeName(XMode m) {
     case XMode::kLiveSemCb: return "live_sem_cb";
     case XMode::kLiveDevTwin: return "live_dev_twin";
     case XMode::kLiveSemCbSlow: return "live_sem_cb_slow";
+    case XMode::kLiveSemCbFence: return "live_sem_cb_fence";
+    case XMode::kLiveSemCbAnswered: return "live_sem_cb_answered";
   }
   return "?";
 }
 
-static bool XLive(XMode m) { return m == XMode::kLiveSemCb || m == XMode::kLiveDevTwin || m == XMode::kLiveSemCbSlow; }
+static bool XLive(XMode m) { return m >= XMode::kLiveSemCb; }
 
 static int64_t NowNs() {
   timespec ts;
@@ -783,9 +802,16 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
     while (sh->go.load(std::memory_order_acquire) == 0) {
     }
     if (!daemon) {
+      cudaEvent_t fence = nullptr;
+      if (mode == XMode::kLiveSemCbFence) PROBE_CHECK(cudaEventCreateWithFlags(&fence, cudaEventDisableTiming));
       for (int i = 1; i <= calls; ++i) {
         client_call(st[0], who, i);
+        if (fence != nullptr) PROBE_CHECK(cudaEventRecord(fence, st[0]));
         sh->published[who].store(i, std::memory_order_release);
+        if (mode == XMode::kLiveSemCbAnswered) {
+          while (sh->answered[who].load(std::memory_order_acquire) < static_cast<uint64_t>(i)) {
+          }
+        }
       }
     } else {
       // The executor's rule: at most 32 calls beyond the "inputs ready" the
@@ -800,6 +826,7 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
           while (taken[p] < published && taken[p] + 1 - *in_seen <= kAhead) {
             const uint64_t i = ++taken[p];
             daemon_call(st[p], p, i, dst + p * n);
+            sh->answered[p].store(i, std::memory_order_release);
             for (const auto until = std::chrono::steady_clock::now() + extra;
                  std::chrono::steady_clock::now() < until;) {
             }
@@ -836,7 +863,7 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
 static int XPairs(int calls) {
   for (int pairs : {1, 2, 4, 8}) {
     for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kDevTwin, XMode::kLiveSemCb, XMode::kLiveDevTwin,
-                             XMode::kLiveSemCbSlow}) {
+                             XMode::kLiveSemCbSlow, XMode::kLiveSemCbFence, XMode::kLiveSemCbAnswered}) {
       // Live: more calls, so the start (every process leaving its spin) is a small part.
       const int mode_calls = XLive(mode) ? 5 * calls : calls;
       void* mem = mmap(nullptr, sizeof(XShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
