@@ -738,7 +738,7 @@ void dequantize_rows(const uint8_t* in, bf16* out, int64_t rows, int64_t D, cons
   // 75% against 57-59% at FLUX per rank; four groups per warp lost to staging
   // (bench/results/2026-12-06-h100-fence-answered-direct-dequant.md).
   const int64_t total_packs = rows * packs;
-  if (vector && reinterpret_cast<uintptr_t>(in) % 16 == 0 && total_packs < INT32_MAX) {
+  if (vector && cuda::is_aligned(in, 16) && total_packs < INT32_MAX) {
     constexpr int kGroups = 1;
     const auto blocks = static_cast<unsigned>(cuda::ceil_div(total_packs, int64_t{kThreads} * kGroups));
     fp8_dequant_shfl_kernel<Format, RowMap, kGroups><<<blocks, kThreads, 0, stream>>>(
