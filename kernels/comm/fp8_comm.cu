@@ -182,12 +182,21 @@ struct QkvSendRows {
 // a contiguous [B, S, N, D] tensor.
 struct QkvRecvRows {
   uint32_t S, B, N;
+  FastDiv div_b, div_n;
   template <typename I>
   __device__ int64_t operator()(I r, int64_t D) const {
-    const I n = r % N;
-    const I t = r / N;
-    const I b = t % B;
-    const I s = t / B;
+    I n, b, s;
+    if constexpr (std::is_same_v<I, uint32_t>) {
+      const uint32_t t = div_n.div(r);
+      n = r - t * N;
+      s = div_b.div(t);
+      b = t - s * B;
+    } else {
+      n = r % N;
+      const I t = r / N;
+      b = t % B;
+      s = t / B;
+    }
     return ((static_cast<int64_t>(b) * S + s) * N + n) * D;
   }
 };
@@ -812,8 +821,10 @@ void qkv_permute_dequant_launcher(const at::Tensor& quant_x, at::Tensor& out) {
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(quant_x.device());
   const bool vector = D % kPack == 0 && cuda::is_aligned(out.data_ptr(), 16);
-  dequantize_rows<QkvFormat>(byte_ptr(quant_x), bf16_ptr(out), rows, D, QkvRecvRows{static_cast<uint32_t>(S), static_cast<uint32_t>(B), static_cast<uint32_t>(N)},
-                             vector, at::cuda::getCurrentCUDAStream());
+  const QkvRecvRows map{static_cast<uint32_t>(S), static_cast<uint32_t>(B), static_cast<uint32_t>(N),
+                        FastDiv::make(B), FastDiv::make(N)};
+  dequantize_rows<QkvFormat>(byte_ptr(quant_x), bf16_ptr(out), rows, D, map, vector,
+                             at::cuda::getCurrentCUDAStream());
 }
 
 at::Tensor empty_like_shape(const std::vector<c10::SymInt>& shape, const at::Tensor& like,
