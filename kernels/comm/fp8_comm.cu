@@ -150,6 +150,20 @@ struct FastDiv {
   __device__ uint32_t div(uint32_t n) const { return (__umulhi(n, magic) + n) >> shift; }
 };
 
+// r / d, and r % d into *rem: through FastDiv for the 32-bit indices of the
+// common case, by division for the 64-bit ones of tensors past 2^31 rows.
+template <typename I>
+__device__ __forceinline__ I div_mod(I r, uint32_t d, const FastDiv& fast, I* rem) {
+  if constexpr (std::is_same_v<I, uint32_t>) {
+    const uint32_t q = fast.div(r);
+    *rem = r - q * d;
+    return q;
+  } else {
+    *rem = r % d;
+    return r / d;
+  }
+}
+
 // Send side of the Ulysses all-to-all: record r is in [P, S, B, N] order and
 // reads x[b, s, p, n, :] through x's B/S/P strides.
 struct QkvSendRows {
@@ -158,22 +172,8 @@ struct QkvSendRows {
   int64_t stride_b, stride_s, stride_p;
   template <typename I>
   __device__ int64_t operator()(I r, int64_t D) const {
-    I n, b, s, p;
-    if constexpr (std::is_same_v<I, uint32_t>) {
-      const uint32_t t = div_n.div(r);
-      n = r - t * N;
-      const uint32_t u = div_b.div(t);
-      b = t - u * B;
-      p = div_s.div(u);
-      s = u - p * S;
-    } else {
-      n = r % N;
-      I t = r / N;
-      b = t % B;
-      t /= B;
-      s = t % S;
-      p = t / S;
-    }
+    I n, b, s;
+    const I p = div_mod(div_mod(div_mod(r, N, div_n, &n), B, div_b, &b), S, div_s, &s);
     return b * stride_b + s * stride_s + p * stride_p + static_cast<int64_t>(n) * D;
   }
 };
@@ -185,18 +185,8 @@ struct QkvRecvRows {
   FastDiv div_b, div_n;
   template <typename I>
   __device__ int64_t operator()(I r, int64_t D) const {
-    I n, b, s;
-    if constexpr (std::is_same_v<I, uint32_t>) {
-      const uint32_t t = div_n.div(r);
-      n = r - t * N;
-      s = div_b.div(t);
-      b = t - s * B;
-    } else {
-      n = r % N;
-      const I t = r / N;
-      b = t % B;
-      s = t / B;
-    }
+    I n, b;
+    const I s = div_mod(div_mod(r, N, div_n, &n), B, div_b, &b);
     return ((static_cast<int64_t>(b) * S + s) * N + n) * D;
   }
 };
