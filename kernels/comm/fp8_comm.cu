@@ -636,69 +636,52 @@ __global__ void __launch_bounds__(kThreads) fp8_dequant_kernel(const DequantPara
 }
 
 // No staging (D % 8 == 0, records 16-byte aligned, fewer than 2^31 packs):
-// a warp dequantizes K groups of 32 consecutive packs (pack g = row * P + c,
-// its 8 bytes at row * rec + 8c). For each group the lanes load the 16-byte
-// aligned chunks that cover its bytes (at most 26: 32 packs and the scales
-// between them), one chunk per lane, all K groups' loads in flight at once;
-// each lane then takes its pack's 8 bytes out of the two chunks that hold them
-// with shuffles. Every global load is an aligned 16-byte vector, no barrier,
-// and a warp's stores are 32 consecutive packs.
-template <class Format, class RowMap, int K>
+// a warp dequantizes 32 consecutive packs (pack g = row * P + c, its 8 bytes
+// at row * rec + 8c). The lanes load the 16-byte aligned chunks that cover the
+// warp's bytes (at most 26: 32 packs and the scales between them), one chunk
+// per lane; each lane then takes its pack's 8 bytes out of the two chunks that
+// hold them with shuffles. Every global load is an aligned 16-byte vector, no
+// barrier, and a warp's stores are 32 consecutive packs.
+template <class Format, class RowMap>
 __global__ void __launch_bounds__(kThreads) fp8_dequant_shfl_kernel(const DequantParams p, const RowMap map,
                                                                     uint32_t P, FastDiv div_p,
                                                                     uint32_t total_packs, uint64_t total_bytes) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31;
-  const uint32_t first = ((blockIdx.x * kThreads + threadIdx.x) >> 5) * (32u * K);
-  if (first >= total_packs) return;
+  const uint32_t g0 = ((blockIdx.x * kThreads + threadIdx.x) >> 5) * 32u;
+  if (g0 >= total_packs) return;  // the same for the whole warp
   const uint64_t rec = static_cast<uint64_t>(p.D) + Format::kScaleBytes;
   auto start = [&](uint32_t g) {
     const uint32_t r = div_p.div(g);
     return static_cast<uint64_t>(r) * rec + 8 * (g - r * P);
   };
-  uint4 chunk[K];
-  uint64_t base[K];
-  float scale[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    chunk[k] = make_uint4(0, 0, 0, 0);
-    base[k] = 0;
-    scale[k] = 0.f;
-    const uint32_t g0 = first + 32 * k;
-    if (g0 >= total_packs) continue;  // the same for the whole warp
-    const uint32_t g = min(g0 + lane, total_packs - 1);
-    base[k] = start(g0) & ~uint64_t{15};
-    const uint64_t end = start(min(g0 + 31, total_packs - 1)) + 8;
-    const uint64_t at = base[k] + 16 * static_cast<uint64_t>(lane);
-    if (at + 16 <= total_bytes && at < end) {
-      chunk[k] = *reinterpret_cast<const uint4*>(p.in + at);
-    } else if (at < end) {  // the buffer's last chunk, cut short
-      uint8_t b[16] = {};
-      for (uint64_t i = at; i < total_bytes; ++i) b[i - at] = p.in[i];
-      memcpy(&chunk[k], b, 16);
-    }
-    scale[k] = Format::load_scale(p.in + static_cast<uint64_t>(div_p.div(g)) * rec + p.D);
+  const uint32_t g = min(g0 + lane, total_packs - 1);
+  const uint64_t base = start(g0) & ~uint64_t{15};
+  const uint64_t end = start(min(g0 + 31, total_packs - 1)) + 8;
+  const uint64_t at = base + 16 * static_cast<uint64_t>(lane);
+  uint4 chunk = make_uint4(0, 0, 0, 0);
+  if (at + 16 <= total_bytes && at < end) {
+    chunk = *reinterpret_cast<const uint4*>(p.in + at);
+  } else if (at < end) {  // the buffer's last chunk, cut short
+    uint8_t b[16] = {};
+    for (uint64_t i = at; i < total_bytes; ++i) b[i - at] = p.in[i];
+    memcpy(&chunk, b, 16);
   }
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const uint32_t g0 = first + 32 * k;
-    if (g0 >= total_packs) break;
-    const uint32_t g = min(g0 + lane, total_packs - 1);
-    const uint32_t row = div_p.div(g), c = g - row * P;
-    const uint32_t rel = static_cast<uint32_t>(static_cast<uint64_t>(row) * rec + 8 * c - base[k]);
-    const int src = static_cast<int>(rel >> 4), off = static_cast<int>(rel & 15);
-    const uint32_t w0 = __shfl_sync(kAll, chunk[k].x, src), w1 = __shfl_sync(kAll, chunk[k].y, src),
-                   w2 = __shfl_sync(kAll, chunk[k].z, src), w3 = __shfl_sync(kAll, chunk[k].w, src),
-                   w4 = __shfl_sync(kAll, chunk[k].x, src + 1), w5 = __shfl_sync(kAll, chunk[k].y, src + 1);
-    const int wi = off >> 2;
-    const uint32_t x0 = wi == 0 ? w0 : wi == 1 ? w1 : wi == 2 ? w2 : w3;
-    const uint32_t x1 = wi == 0 ? w1 : wi == 1 ? w2 : wi == 2 ? w3 : w4;
-    const uint32_t x2 = wi == 0 ? w2 : wi == 1 ? w3 : wi == 2 ? w4 : w5;
-    const uint32_t sh = (off & 3) * 8;
-    const uint64_t bytes = __funnelshift_r(x0, x1, sh) | (static_cast<uint64_t>(__funnelshift_r(x1, x2, sh)) << 32);
-    if (g0 + lane < total_packs) {
-      reinterpret_cast<Pack<bf16, kPack>*>(p.out + map(row, p.D))[c] = dequantize_pack(bytes, scale[k]);
-    }
+  const uint32_t row = div_p.div(g), c = g - row * P;
+  const float scale = Format::load_scale(p.in + static_cast<uint64_t>(row) * rec + p.D);
+  const uint32_t rel = static_cast<uint32_t>(static_cast<uint64_t>(row) * rec + 8 * c - base);
+  const int src = static_cast<int>(rel >> 4), off = static_cast<int>(rel & 15);
+  const uint32_t w0 = __shfl_sync(kAll, chunk.x, src), w1 = __shfl_sync(kAll, chunk.y, src),
+                 w2 = __shfl_sync(kAll, chunk.z, src), w3 = __shfl_sync(kAll, chunk.w, src),
+                 w4 = __shfl_sync(kAll, chunk.x, src + 1), w5 = __shfl_sync(kAll, chunk.y, src + 1);
+  const int wi = off >> 2;
+  const uint32_t x0 = wi == 0 ? w0 : wi == 1 ? w1 : wi == 2 ? w2 : w3;
+  const uint32_t x1 = wi == 0 ? w1 : wi == 1 ? w2 : wi == 2 ? w3 : w4;
+  const uint32_t x2 = wi == 0 ? w2 : wi == 1 ? w3 : wi == 2 ? w4 : w5;
+  const uint32_t sh = (off & 3) * 8;
+  const uint64_t bytes = __funnelshift_r(x0, x1, sh) | (static_cast<uint64_t>(__funnelshift_r(x1, x2, sh)) << 32);
+  if (g0 + lane < total_packs) {
+    reinterpret_cast<Pack<bf16, kPack>*>(p.out + map(row, p.D))[c] = dequantize_pack(bytes, scale);
   }
 }
 
@@ -738,9 +721,8 @@ void dequantize_rows(const uint8_t* in, bf16* out, int64_t rows, int64_t D, cons
   // (bench/results/2026-12-06-h100-fence-answered-direct-dequant.md).
   const int64_t total_packs = rows * packs;
   if (vector && cuda::is_aligned(in, 16) && total_packs < INT32_MAX) {
-    constexpr int kGroups = 1;
-    const auto blocks = static_cast<unsigned>(cuda::ceil_div(total_packs, int64_t{kThreads} * kGroups));
-    fp8_dequant_shfl_kernel<Format, RowMap, kGroups><<<blocks, kThreads, 0, stream>>>(
+    const auto blocks = static_cast<unsigned>(cuda::ceil_div(total_packs, int64_t{kThreads}));
+    fp8_dequant_shfl_kernel<Format, RowMap><<<blocks, kThreads, 0, stream>>>(
         p, map, static_cast<uint32_t>(packs), FastDiv::make(packs), static_cast<uint32_t>(total_packs),
         static_cast<uint64_t>(rows) * rec);
   } else if (smem > 48 * 1024 || rows > INT32_MAX) {
