@@ -652,8 +652,9 @@ __global__ void __launch_bounds__(kThreads) fp8_dequant_shfl_kernel(const Dequan
   if (g0 >= total_packs) return;  // the same for the whole warp
   const uint64_t rec = static_cast<uint64_t>(p.D) + Format::kScaleBytes;
   auto start = [&](uint32_t g) {
-    const uint32_t r = div_p.div(g);
-    return static_cast<uint64_t>(r) * rec + 8 * (g - r * P);
+    uint32_t c;
+    const uint32_t r = div_mod(g, P, div_p, &c);
+    return static_cast<uint64_t>(r) * rec + 8 * c;
   };
   const uint32_t g = min(g0 + lane, total_packs - 1);
   const uint64_t base = start(g0) & ~uint64_t{15};
@@ -667,7 +668,8 @@ __global__ void __launch_bounds__(kThreads) fp8_dequant_shfl_kernel(const Dequan
     for (uint64_t i = at; i < total_bytes; ++i) b[i - at] = p.in[i];
     memcpy(&chunk, b, 16);
   }
-  const uint32_t row = div_p.div(g), c = g - row * P;
+  uint32_t c;
+  const uint32_t row = div_mod(g, P, div_p, &c);
   const float scale = Format::load_scale(p.in + static_cast<uint64_t>(row) * rec + p.D);
   const uint32_t rel = static_cast<uint32_t>(static_cast<uint64_t>(row) * rec + 8 * c - base);
   const int src = static_cast<int>(rel >> 4), off = static_cast<int>(rel & 15);
