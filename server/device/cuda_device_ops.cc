@@ -56,15 +56,54 @@ void CudaDeviceOps::UnregisterHostMemory(void* p) {
   api->mem_host_unregister(p);
 }
 
+CudaDeviceOps::~CudaDeviceOps() {
+  if (anchor_ == nullptr && scratch_ == nullptr) return;
+  cudaSetDevice(device_);
+  if (anchor_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(anchor_));
+  if (scratch_ != nullptr) cudaFree(scratch_);
+}
+
+// Gives `s` a 4-byte memset and waits for it.
+static cudaError_t Use(cudaStream_t s, void* scratch) {
+  cudaError_t err = cudaMemsetAsync(scratch, 0, 4, s);
+  return err == cudaSuccess ? cudaStreamSynchronize(s) : err;
+}
+
 Status CudaDeviceOps::CreateStream(void** stream) {
   cudaError_t err = cudaSetDevice(device_);
+  // Under MPS, sessions whose lane streams first get work at enqueue time
+  // alternate between two prices of the hand-off (Wan per rank +14 and +7 us
+  // a call over in-process, one session dear, the next cheap); with one
+  // stream used and held from the daemon's first session on, and every lane
+  // stream used as it is created, every session got the cheap one
+  // (bench/results/2026-12-06-h100-session-streams.md sections 4 and 5).
+  if (err == cudaSuccess) {
+    std::call_once(anchor_once_, [&] {
+      cudaStream_t a = nullptr;
+      err = cudaMalloc(&scratch_, 16);
+      if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+      if (err == cudaSuccess) {
+        anchor_ = a;
+        err = Use(a, scratch_);
+      }
+    });
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Internal("anchor stream: ", RuntimeErrorString(err));
+  }
+  if (anchor_ == nullptr) return Status::Internal("anchor stream: not created");
   cudaStream_t s = nullptr;
   // Non-blocking: a lane stream must never serialize with the legacy default
   // stream that some library on the daemon's side might use.
-  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err == cudaSuccess) {
+    err = Use(s, scratch_);
+    if (err != cudaSuccess) cudaStreamDestroy(s);
+  }
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return Status::Internal("cudaStreamCreateWithFlags: ", RuntimeErrorString(err));
+    return Status::Internal("lane stream: ", RuntimeErrorString(err));
   }
   *stream = s;
   return Status::Ok();

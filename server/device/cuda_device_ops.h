@@ -2,12 +2,16 @@
 //
 // DeviceOps (server/device/device_ops.h) on a real GPU: host-memory registration
 // with cuMemHostRegister (DEVICEMAP | PORTABLE), non-blocking streams, and
-// semaphore writes and waits with cuStream{Write,Wait}Value64_v2. Every
+// semaphore writes and waits with cuStream{Write,Wait}Value64_v2. CreateStream
+// returns a stream that has run work (a 4-byte memset, waited for), and its
+// first call also makes and holds one such stream of its own until
+// destruction (why, measured: CreateStream in the .cc). Every
 // method first makes the daemon's device current on the calling thread, so any daemon thread may
 // use it.
 #pragma once
 
 #include <memory>
+#include <mutex>
 
 #include "server/device/device_ops.h"
 
@@ -19,6 +23,7 @@ class CudaDeviceOps final : public DeviceOps {
   //
   // UNAVAILABLE when the driver entry points cannot be resolved.
   static Status Create(int device, std::unique_ptr<CudaDeviceOps>* out);
+  ~CudaDeviceOps() override;
 
   Status EnterThread() override;
   Status RegisterHostMemory(void* p, size_t bytes, uint64_t* device_address) override;
@@ -32,6 +37,10 @@ class CudaDeviceOps final : public DeviceOps {
  private:
   explicit CudaDeviceOps(int device) : device_(device) {}
   int device_;
+  // Made at the first CreateStream, held until destruction (see CreateStream).
+  std::once_flag anchor_once_;
+  void* anchor_ = nullptr;
+  void* scratch_ = nullptr;
 };
 
 }  // namespace cache_dit_opd::cuda
