@@ -70,24 +70,23 @@ static cudaError_t Use(cudaStream_t s, void* scratch) {
 }
 
 Status CudaDeviceOps::CreateStream(void** stream) {
-  cudaError_t err = cudaSetDevice(device_);
+  if (Status s = EnterThread(); !s.ok()) return s;
+  cudaError_t err = cudaSuccess;
   // Under MPS, sessions whose lane streams first get work at enqueue time
   // alternate between two prices of the hand-off (Wan per rank +14 and +7 us
   // a call over in-process, one session dear, the next cheap); with one
   // stream used and held from the daemon's first session on, and every lane
   // stream used as it is created, every session got the cheap one
   // (bench/results/2026-12-06-h100-session-streams.md sections 4 and 5).
-  if (err == cudaSuccess) {
-    std::call_once(anchor_once_, [&] {
-      cudaStream_t a = nullptr;
-      err = cudaMalloc(&scratch_, 16);
-      if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
-      if (err == cudaSuccess) {
-        anchor_ = a;
-        err = Use(a, scratch_);
-      }
-    });
-  }
+  std::call_once(anchor_once_, [&] {
+    cudaStream_t a = nullptr;
+    err = cudaMalloc(&scratch_, 16);
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    if (err == cudaSuccess) {
+      anchor_ = a;
+      err = Use(a, scratch_);
+    }
+  });
   if (err != cudaSuccess) {
     cudaGetLastError();
     return Status::Internal("anchor stream: ", RuntimeErrorString(err));
