@@ -30,11 +30,7 @@ Status CudaDeviceOps::RegisterHostMemory(void* p, size_t bytes, uint64_t* device
   Status s;
   const DriverApi* api = GetDriverApi(&s);
   if (api == nullptr) return s;
-  cudaError_t err = cudaSetDevice(device_);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return Status::Internal("cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
-  }
+  if (Status entered = EnterThread(); !entered.ok()) return entered;
   CUresult r = api->mem_host_register(p, bytes, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE);
   if (r != CUDA_SUCCESS) {
     return Status::Internal("cuMemHostRegister(", bytes, " bytes): ", DriverErrorString(r));
@@ -71,27 +67,37 @@ static cudaError_t Use(cudaStream_t s, void* scratch) {
 
 Status CudaDeviceOps::CreateStream(void** stream) {
   if (Status s = EnterThread(); !s.ok()) return s;
-  cudaError_t err = cudaSuccess;
   // Under MPS, sessions whose lane streams first get work at enqueue time
   // alternate between two prices of the hand-off (Wan per rank +14 and +7 us
   // a call over in-process, one session dear, the next cheap); with one
   // stream used and held from the daemon's first session on, and every lane
   // stream used as it is created, every session got the cheap one
   // (bench/results/2026-12-06-h100-session-streams.md sections 4 and 5).
-  std::call_once(anchor_once_, [&] {
-    cudaStream_t a = nullptr;
-    err = cudaMalloc(&scratch_, 16);
-    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
-    if (err == cudaSuccess) {
-      anchor_ = a;
-      err = Use(a, scratch_);
+  // Made by the first call that succeeds: a failure (say, out of memory)
+  // fails this session's stream and the next call tries again.
+  cudaError_t err = cudaSuccess;
+  {
+    const std::lock_guard<std::mutex> lock(anchor_mu_);
+    if (scratch_ == nullptr) {
+      void* p = nullptr;
+      err = cudaMalloc(&p, 16);
+      if (err == cudaSuccess) scratch_ = p;
     }
-  });
+    if (err == cudaSuccess && anchor_ == nullptr) {
+      cudaStream_t a = nullptr;
+      err = cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+      if (err == cudaSuccess) err = Use(a, scratch_);
+      if (err == cudaSuccess) {
+        anchor_ = a;
+      } else if (a != nullptr) {
+        cudaStreamDestroy(a);
+      }
+    }
+  }
   if (err != cudaSuccess) {
     cudaGetLastError();
     return Status::Internal("anchor stream: ", RuntimeErrorString(err));
   }
-  if (anchor_ == nullptr) return Status::Internal("anchor stream: not created");
   cudaStream_t s = nullptr;
   // Non-blocking: a lane stream must never serialize with the legacy default
   // stream that some library on the daemon's side might use.

@@ -37,8 +37,9 @@ class CudaDeviceOps final : public DeviceOps {
  private:
   explicit CudaDeviceOps(int device) : device_(device) {}
   int device_;
-  // Made at the first CreateStream, held until destruction (see CreateStream).
-  std::once_flag anchor_once_;
+  // Made by the first CreateStream that succeeds, held until destruction (see
+  // CreateStream); guarded by anchor_mu_ until then.
+  std::mutex anchor_mu_;
   void* anchor_ = nullptr;
   void* scratch_ = nullptr;
 };
