@@ -4,10 +4,10 @@
 // with cuMemHostRegister (DEVICEMAP | PORTABLE), non-blocking streams, and
 // semaphore writes and waits with cuStream{Write,Wait}Value64_v2. CreateStream
 // returns a stream that has run work (a 4-byte memset, waited for), and its
-// first call also makes and holds one such stream of its own until
-// destruction (why, measured: CreateStream in the .cc). Every
-// method first makes the daemon's device current on the calling thread, so any daemon thread may
-// use it.
+// first successful call also makes and holds one such stream of its own until
+// destruction (why, measured: CreateStream in the .cc). Every method first
+// makes the daemon's device current on the calling thread, so any daemon
+// thread may use it.
 #pragma once
 
 #include <memory>
