@@ -156,6 +156,14 @@ class Daemon:
         except Exception:  # noqa: BLE001 - a figure the report shows as missing, not a failed run
             return None
 
+    def stage_p50_us(self) -> dict[str, float] | None:
+        """GetStats' stages: each stage's p50 over its last 8192 calls ("accept", "inputs_wait", "run"), in
+        microseconds (None when the daemon cannot be asked)."""
+        try:
+            return {s.name: s.p50_us for s in self.stats().stages}
+        except Exception:  # noqa: BLE001 - a figure the report shows as missing, not a failed run
+            return None
+
     def cpu_seconds(self) -> float | None:
         """utime + stime of the daemon (all its threads) from /proc, in seconds; None if unreadable."""
         try:

@@ -610,7 +610,9 @@ def scaling_section(res) -> list[str]:
            "synchronizes; calls/s = all calls / time until the last synchronize returned. Daemon CPU: utime + stime "
            "over the window, % of one core." + (
                " Executor busy: each executor thread's time in passes that did work (GetStats), % of the window "
-               "(near 100%: the executor thread is the bound), and all executors' busy time per call." if busy else ""),
+               "(near 100%: the executor thread is the bound), all executors' busy time per call, and where measured the "
+               "run stage's p50 (GetStats, the window's last calls: the launch through the enqueued \"done\", the "
+               "driver's and torch's part of a call)." if busy else ""),
            ""]
     rows = []
     for bound in ("kernel", "launch"):
@@ -648,8 +650,12 @@ def _busy(point: dict, column: bool) -> list[str]:
     pct = point.get("executor_busy_pct")
     if not pct:
         return ["-"]
-    per_call = point.get("executor_busy_us_per_call")
-    return [" / ".join(f"{b:.0f}%" for b in pct) + (f" ({per_call:.1f} us a call)" if per_call else "")]
+    notes = []
+    if per_call := point.get("executor_busy_us_per_call"):
+        notes.append(f"{per_call:.1f} us a call")
+    if (run := (point.get("stage_p50_us") or {}).get("run")) is not None:
+        notes.append(f"run p50 {run:.1f} us")
+    return [" / ".join(f"{b:.0f}%" for b in pct) + (f" ({'; '.join(notes)})" if notes else "")]
 
 
 def regions_section(res) -> list[str]:

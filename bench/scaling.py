@@ -154,11 +154,13 @@ def run_phase(r, d: Path, i: int, ph: dict, children: list, window: float, ready
     c0, b0 = r.daemon.cpu_seconds(), r.daemon.executor_busy_ns()
     sleep_until(t0 + window)
     c1, b1 = r.daemon.cpu_seconds(), r.daemon.executor_busy_ns()
+    # Read at the window's end: a load phase's last 8192 calls are all inside it (an idle phase's would not be).
+    stages = r.daemon.stage_p50_us() if ph["op"] is not None else None
     wait_files(d, f"result.{i}", children, window + 90)
     rows = [json.loads((d / f"result.{i}.{k}").read_text()) for k in range(len(children))]
     cpu = None if c0 is None or c1 is None else c1 - c0
     busy = None if not b0 or not b1 or len(b0) != len(b1) else [(y - x) * 1e-9 for x, y in zip(b0, b1)]
-    return aggregate(ph, rows, t0, window, cpu, busy)
+    return aggregate(ph, rows, t0, window, cpu, busy, stages)
 
 
 def wait_files(d: Path, prefix: str, children: list, timeout: float) -> None:
@@ -194,14 +196,17 @@ def finish(r, children: list) -> list[dict]:
 
 
 def aggregate(ph: dict, rows: list[dict], t0: float, window: float, cpu_s: float | None,
-              busy_s: list[float] | None = None) -> dict:
+              busy_s: list[float] | None = None, stage_p50_us: dict[str, float] | None = None) -> dict:
     """One phase's figures. ``busy_s``: each executor thread's busy time over the window (GetStats'
-    executor_busy_ns), reported as % of the window each: near 100% the executor threads are the bound."""
+    executor_busy_ns), reported as % of the window each: near 100% the executor threads are the bound.
+    ``stage_p50_us``: GetStats' stage p50s at the window's end; "run" (launch through the enqueued "done") against
+    the busy time per call tells the driver and torch from the rest of the executor's pass."""
     errors = [row["error"] for row in rows if "error" in row]
     ok = [row for row in rows if "error" not in row]
     out = dict(ph, procs=len(rows), window_s=window, errors=errors,
                daemon_cpu_pct=None if cpu_s is None else 100.0 * cpu_s / window,
-               executor_busy_pct=None if busy_s is None else [100.0 * b / window for b in busy_s])
+               executor_busy_pct=None if busy_s is None else [100.0 * b / window for b in busy_s],
+               stage_p50_us=stage_p50_us)
     if not ok:
         return dict(out, error=errors[0] if errors else "no process reported")
     calls = sum(row["calls"] for row in ok)

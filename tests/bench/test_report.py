@@ -257,6 +257,10 @@ def test_executor_busy_is_a_column_only_in_runs_that_measured_it(res):
     line = next(x for x in md.splitlines() if x.startswith(f"| launch-bound") and f"| {launch['procs']} |" in x
                 and "97% / 91%" in x)
     assert line.endswith("| 97% / 91% (18.0 us a call) |"), line
+    launch["stage_p50_us"] = {"accept": 3.1, "inputs_wait": 40.0, "run": 9.46}
+    line = next(x for x in report.markdown(copy.deepcopy(res)).splitlines()
+                if x.startswith("| launch-bound") and "97% / 91%" in x)
+    assert line.endswith("| 97% / 91% (18.0 us a call; run p50 9.5 us) |"), line
     # every other row of the table has the column too, "-" where nothing was measured (in-process: no daemon)
     header = next(x for x in md.splitlines() if x.startswith("| load |"))
     rows = [x for x in md.splitlines() if x.startswith(("| kernel-bound", "| launch-bound", "| idle"))]

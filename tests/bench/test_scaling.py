@@ -62,6 +62,7 @@ def test_each_count_gets_a_daemon_of_its_own_and_the_runs_daemon_comes_back(tmp_
         assert executor_threads_of(main.pid) == ["opd-exec"]  # one thread: the name alone
         busy = main.executor_busy_ns()  # GetStats: one figure per executor thread
         assert isinstance(busy, list) and len(busy) == 1 and busy[0] >= 0, busy
+        assert main.stage_p50_us() == {}  # GetStats' stages: none before the first call
         out = scaling.executor_sweep(SimpleNamespace(daemon=main, tmp=tmp_path / "late", remaining=lambda: 10.0),
                                      8, [2], 1.0)
         assert out == {"2": {"status": "skipped", "error": "time budget spent"}}
@@ -76,15 +77,21 @@ def test_a_phase_reports_each_executor_threads_busy_share_of_its_window():
     assert out["calls"] == 40 and out["calls_per_s"] == 20.0
     assert abs(out["executor_busy_us_per_call"] - 1.5 / 2.0 / 20.0 * 1e6) < 1e-6  # 0.75 s busy a second, 20 calls
     assert scaling.aggregate({"bound": "launch"}, rows, 0.0, 2.0, None)["executor_busy_pct"] is None
+    stages = {"accept": 3.0, "inputs_wait": 50.0, "run": 9.0}
+    assert scaling.aggregate({"bound": "launch"}, rows, 0.0, 2.0, 1.0, [1.0], stages)["stage_p50_us"] == stages
 
 
 def test_a_phase_with_a_window_of_its_own_is_measured_over_it(tmp_path):
     # The idle phase's window is its own (the daemon's CPU counts in 10 ms ticks: a longer window reads
     # an idle daemon finer); the group's window is for the loads.
     cpu = iter([1.0, 1.05])
-    r = SimpleNamespace(daemon=SimpleNamespace(cpu_seconds=lambda: next(cpu), executor_busy_ns=lambda: [0]))
+    def no_stages():
+        raise AssertionError("an idle phase's stages would be the previous load's")
+
+    r = SimpleNamespace(daemon=SimpleNamespace(cpu_seconds=lambda: next(cpu), executor_busy_ns=lambda: [0],
+                                               stage_p50_us=no_stages))
     t = time.monotonic()
-    out = scaling.run_phase(r, tmp_path, 0, {"bound": "idle", "window_s": 0.2}, [], 1.0, 5.0)
+    out = scaling.run_phase(r, tmp_path, 0, {"bound": "idle", "op": None, "window_s": 0.2}, [], 1.0, 5.0)
     assert 0.2 <= time.monotonic() - t < 1.0
     assert out["window_s"] == 0.2 and abs(out["daemon_cpu_pct"] - 25.0) < 1e-9
     assert scaling.IDLE["window_s"] > scaling.params(True, None)["window_s"]
