@@ -64,8 +64,9 @@
 //              No host in the loop: what the GPU allows many launch-bound
 //              clients.
 //
-//   xpairs [N]     The same hand-off (the protocol in use: the client's
-//              write and wait in one batch; the daemon's wait, a 1 MiB copy,
+//   xpairs [N] [B] The same hand-off (the protocol in use: the client's
+//              write and wait in one batch; the daemon's wait, a B-byte copy
+//              (default 1 MiB; a larger one stands in for a longer kernel),
 //              "done" and its own copy in one batch) with P = 1, 2, 4, 8
 //              client processes and one daemon process, each its own context
 //              (under MPS: one MPS client each, as deployed), beside each
@@ -95,7 +96,7 @@
 // (PROBE_LAZY=1 stream_queues isolation 8 9 1 never returns).
 //
 // Build: nvcc -O2 -arch=sm_90a -o stream_queues stream_queues.cu -lcuda
-// Run:   stream_queues isolation C S K | timeline [N] | hostcost [N] | threads [N] | pairs [N] [B] | xpairs [N]
+// Run:   stream_queues isolation C S K | timeline [N] | hostcost [N] | threads [N] | pairs [N] [B] | xpairs [N] [B]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -741,7 +742,7 @@ static int64_t NowNs() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
-static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {  // who == pairs: the daemon
+static int XPairsChild(XShared* sh, int pairs, int calls, size_t bytes, XMode mode, int who) {  // who == pairs: the daemon
   // As deployed: the daemon asks for a hardware queue per stream, the clients
   // keep CUDA's default. Under MPS the queues come from the server's shared
   // pool, so every process asking for 32 exhausted it at P = 4 (a context
@@ -774,7 +775,7 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
     }
   }
   auto dev_word = [&](int p, int i) { return reinterpret_cast<CUdeviceptr>(dev) + 8 * (16 * p + 8 * i); };
-  const size_t bytes = 1u << 20, n = bytes / sizeof(int4);
+  const size_t n = bytes / sizeof(int4);
   int4 *src = nullptr, *dst = nullptr;
   PROBE_CHECK(cudaMalloc(&src, bytes));
   PROBE_CHECK(cudaMalloc(&dst, bytes * (daemon ? pairs : 1)));
@@ -860,7 +861,8 @@ static int XPairsChild(XShared* sh, int pairs, int calls, XMode mode, int who) {
   return 0;
 }
 
-static int XPairs(int calls) {
+static int XPairs(int calls, size_t bytes) {
+  std::printf("xpairs: a copy of %zu bytes as each call's kernel\n", bytes);
   for (int pairs : {1, 2, 4, 8}) {
     for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kDevTwin, XMode::kLiveSemCb, XMode::kLiveDevTwin,
                              XMode::kLiveSemCbSlow, XMode::kLiveSemCbFence, XMode::kLiveSemCbAnswered}) {
@@ -872,7 +874,7 @@ static int XPairs(int calls) {
       std::vector<pid_t> kids;
       for (int who = 0; who <= pairs; ++who) {
         const pid_t pid = fork();
-        if (pid == 0) _exit(XPairsChild(sh, pairs, mode_calls, mode, who));
+        if (pid == 0) _exit(XPairsChild(sh, pairs, mode_calls, bytes, mode, who));
         kids.push_back(pid);
       }
       while (sh->enqueued.load(std::memory_order_acquire) < pairs + 1) {
@@ -924,14 +926,16 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "timeline") == 0) return Timeline(argc >= 3 ? std::atoi(argv[2]) : 128);
   if (argc >= 2 && std::strcmp(argv[1], "hostcost") == 0) return HostCost(argc >= 3 ? std::atoi(argv[2]) : 20000);
   if (argc >= 2 && std::strcmp(argv[1], "threads") == 0) return Threads(argc >= 3 ? std::atoi(argv[2]) : 20000);
-  if (argc >= 2 && std::strcmp(argv[1], "xpairs") == 0) return XPairs(argc >= 3 ? std::atoi(argv[2]) : 200);
+  if (argc >= 2 && std::strcmp(argv[1], "xpairs") == 0) {
+    return XPairs(argc >= 3 ? std::atoi(argv[2]) : 200, argc >= 4 ? std::strtoull(argv[3], nullptr, 10) : 1u << 20);
+  }
   if (argc >= 2 && std::strcmp(argv[1], "pairs") == 0) {
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);  // a queue per stream: no wait holds up another pair
     return Pairs(argc >= 3 ? std::atoi(argv[2]) : 200, argc >= 4 ? std::strtoull(argv[3], nullptr, 10) : 1u << 20);
   }
   std::fprintf(stderr,
                "usage: %s isolation CONNECTIONS STREAMS PARKED_COUNT | timeline [CALLS] | hostcost [N] | threads [N] | "
-               "pairs [CALLS] [BYTES] | xpairs [CALLS]\n",
+               "pairs [CALLS] [BYTES] | xpairs [CALLS] [BYTES]\n",
                argv[0]);
   return 2;
 }

@@ -17,8 +17,9 @@
 #   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-overlap)
 #   probe-wgmma[=P] opd_wgmma_loop_probe, runs P (comma-separated; default all)
 #   probe-traffic   opd_traffic_probe: DRAM bandwidth of each read : write mix
-#   probe-handoff   bench/probes/handoff.sh: the hand-off's GPU ceiling, one
-#                   context and a process per client, without and under MPS
+#   probe-handoff[=B]  bench/probes/handoff.sh: the hand-off's GPU ceiling, one
+#                   context and a process per client, without and under MPS;
+#                   B: the bytes each call's copy moves (default 1 MiB)
 #   ctest-gpu       ctest -L gpu
 #   kernels-gpu     pytest tests/kernels -m gpu
 #   python-gpu      pytest tests/python -m gpu
@@ -86,7 +87,7 @@ for step in "$@"; do
     ncu-svdq) cmd=(bench/ncu_svdq.sh --lib "$LIB" --out "$OUT/ncu" --schedules "${arg:-sm90,sm90-overlap}") ;;
     probe-wgmma) cmd=("$BUILD/bench/probes/opd_wgmma_loop_probe" ${arg//,/ }) ;;
     probe-traffic) cmd=("$BUILD/bench/probes/opd_traffic_probe") ;;
-    probe-handoff) cmd=(bench/probes/handoff.sh "$BUILD/bench/probes/opd_stream_queues_probe") ;;
+    probe-handoff) cmd=(bench/probes/handoff.sh "$BUILD/bench/probes/opd_stream_queues_probe" ${arg:+200 "$arg"}) ;;
     ctest-gpu) cmd=(ctest --test-dir "$BUILD" --output-on-failure -L gpu) ;;
     kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;
     python-gpu) cmd=(python3 -m pytest tests/python -m gpu -q -rs -p no:cacheprovider) ;;
