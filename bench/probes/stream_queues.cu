@@ -747,7 +747,8 @@ static int64_t NowNs() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
-static int XPairsChild(XShared* sh, int pairs, int calls, size_t bytes, XMode mode, int who) {  // who == pairs: the daemon
+// who == pairs: the daemon.
+static int XPairsChild(XShared* sh, int pairs, int calls, size_t bytes, XMode mode, int who) {
   // As deployed: the daemon asks for a hardware queue per stream, the clients
   // keep CUDA's default. Under MPS the queues come from the server's shared
   // pool, so every process asking for 32 exhausted it at P = 4 (a context
@@ -869,8 +870,9 @@ static int XPairsChild(XShared* sh, int pairs, int calls, size_t bytes, XMode mo
 static int XPairs(int calls, size_t bytes) {
   std::printf("xpairs: a copy of %zu bytes as each call's kernel\n", bytes);
   for (int pairs : {1, 2, 4, 8}) {
-    for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kSemCbOneWord, XMode::kDevTwin, XMode::kLiveSemCb, XMode::kLiveDevTwin,
-                             XMode::kLiveSemCbSlow, XMode::kLiveSemCbFence, XMode::kLiveSemCbAnswered}) {
+    for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kSemCbOneWord, XMode::kDevTwin, XMode::kLiveSemCb,
+                             XMode::kLiveDevTwin, XMode::kLiveSemCbSlow, XMode::kLiveSemCbFence,
+                             XMode::kLiveSemCbAnswered}) {
       // Live: more calls, so the start (every process leaving its spin) is a small part.
       const int mode_calls = XLive(mode) ? 5 * calls : calls;
       void* mem = mmap(nullptr, sizeof(XShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
