@@ -21,8 +21,10 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -82,9 +84,25 @@ def built(path: str) -> str:
     return path
 
 
+_made_dirs: list[str] = []
+
+
+def _remove_made_dirs() -> None:
+    for d in _made_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def short_tmpdir() -> str:
-    """A fresh directory with a short path: AF_UNIX socket paths are limited to 107 bytes."""
-    return tempfile.mkdtemp(prefix="cdo-", dir="/tmp")
+    """A fresh directory with a short path: AF_UNIX socket paths are limited to 107 bytes.
+
+    Removed when this process exits (a daemon's log is in its failures' messages already); set
+    CACHE_DIT_OPD_KEEP_TMP=1 to keep them for a post-mortem."""
+    d = tempfile.mkdtemp(prefix="cdo-", dir="/tmp")
+    if os.environ.get("CACHE_DIT_OPD_KEEP_TMP") != "1":
+        if not _made_dirs:
+            atexit.register(_remove_made_dirs)
+        _made_dirs.append(d)
+    return d
 
 
 def daemon(directory: str | None = None, *flags: str, fake: bool = True, device: int = 0, env: dict | None = None,

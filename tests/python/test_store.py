@@ -10,7 +10,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -133,7 +132,7 @@ def test_another_uid_reads_through_the_allowed_group_but_may_not_delete(tmp_path
     it lists and reads root's entries (the group admits it) and is refused deleting them (owner only)."""
     if os.getuid() != 0:
         pytest.skip("needs root to start a child of another uid")
-    sockets = tempfile.mkdtemp(prefix="opd-store-", dir="/tmp")
+    sockets = fx.short_tmpdir()
     os.chmod(sockets, 0o755)  # the child must reach the sockets (mode 0660, group 0)
     d = fx.daemon(sockets, "--max-store-bytes", "1M", "--allowed-gid", "0")
     s = open_session(d)
