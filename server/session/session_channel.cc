@@ -298,8 +298,10 @@ void SessionChannel::HandleFirstMessage(Conn& conn) {
   msg.msg_controllen = sizeof(control);
   ssize_t n = recvmsg(conn.fd, &msg, MSG_DONTWAIT | MSG_TRUNC | MSG_CMSG_CLOEXEC);
   if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  // A message of no bytes (n == 0, which also reads as the end of the
+  // connection) can still carry descriptors: they are ours to close too.
   std::vector<int> fds;
-  for (cmsghdr* c = n > 0 ? CMSG_FIRSTHDR(&msg) : nullptr; c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+  for (cmsghdr* c = n >= 0 ? CMSG_FIRSTHDR(&msg) : nullptr; c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
       int f;

@@ -353,11 +353,13 @@ def channel_garbage(d) -> None:
                                                                      "VERSION_MISMATCH"), (i, got)
             finally:
                 s.close()
-        # An empty message reads as the end of the connection: closed without a reply.
-        s = _connect(d)
-        s.send(b"")
-        assert _reply_or_eof(s) is None
-        s.close()
+        # An empty message reads as the end of the connection: closed without a reply, and the descriptors
+        # it carries closed too (settled() counts them).
+        for fds in ([], attach * 30):
+            s = _connect(d)
+            socket.send_fds(s, [b""], fds)
+            assert _reply_or_eof(s) is None
+            s.close()
         # A bound connection's further messages (with descriptors) are read and dropped; it stays bound.
         p = Peer(d)
         try:
