@@ -321,6 +321,19 @@ void Daemon::Call(uint64_t session_id, std::string_view token, CallRequest req, 
   }
   std::shared_ptr<Session> s;
   Status st = sessions_->Authorize(session_id, token, /*require_bound=*/true, &s);
+  // The ring consumer stops taking records at --held-calls (the rest wait in
+  // the ring); a gRPC caller has no ring to wait in, so past the bound it is
+  // refused, its seq not taken (it may send it again). Without this a client
+  // whose inputs never become ready could queue calls until memory runs out.
+  // Concurrent gRPC threads can each pass the check: the bound is exceeded
+  // by at most their number.
+  if (st.ok() && req.transport == CallTransport::kGrpc) {
+    if (const uint64_t held = s->held.load(std::memory_order_acquire); held >= options_.held_calls) {
+      st = Status::Rejected(Reason::kResourceExhausted, "session ", session_id, " has ", held,
+                            " calls waiting in the daemon, the most --held-calls allows; call again once earlier "
+                            "calls have run");
+    }
+  }
   if (!st.ok()) {
     stats_.Count(stats_.per_op.Row(req.op, req.overload), req.transport, st);
     done(st);

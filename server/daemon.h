@@ -185,7 +185,8 @@ class Daemon {
                       std::function<void(const Status&, const RegionRegistry::Registered&)> done);
   Status UnregisterRegion(uint64_t session_id, std::string_view token, uint64_t region_id, bool* deferred);
   // Answered once the call is accepted (validated and queued to run when its
-  // inputs are ready) or rejected.
+  // inputs are ready) or rejected; a gRPC call is refused (RESOURCE_EXHAUSTED)
+  // while its session holds --held-calls calls.
   void Call(uint64_t session_id, std::string_view token, CallRequest req, Executor::Completion done);
   // A call its transport could not decode but whose lane and seq are known
   // (a malformed ring record): the same session checks as Call, then

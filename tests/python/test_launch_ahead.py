@@ -136,3 +136,26 @@ def test_a_client_that_never_signals_cannot_block_the_daemon_by_queueing_calls()
     finally:
         client.close()
         client.d.stop()
+
+
+def test_grpc_calls_past_held_calls_are_refused_and_taken_again_once_earlier_ones_run():
+    """A gRPC caller has no ring to wait in: while its session holds --held-calls calls, the next is refused with
+    RESOURCE_EXHAUSTED and its seq is not taken, so the same seq is accepted once the inputs let calls run."""
+    client = Client(fx.daemon(None, "--held-calls", "8", "--parking-slots", "0"))  # every call waits on the host
+    try:
+        r = client.bound_mapped()
+        args = client.quant_args(r)
+        for seq in range(1, 9):
+            client.call_seq(r, seq, args)  # accepted, held: inputs never ready
+        err = rejected(lambda: client.call_seq(r, 9, args))
+        assert err.reason == _wire.REASONS["RESOURCE_EXHAUSTED"][0], err.message
+        assert "8 calls waiting" in err.message and "--held-calls" in err.message, err.message
+        assert client.d.alive()
+        client.inputs_ready(r, 8)
+        wait_for(lambda: client.done(r) == 8)
+        client.call_seq(r, 9, args)  # the refused seq, taken now
+        client.inputs_ready(r, 9)
+        wait_for(lambda: client.done(r) == 9)
+    finally:
+        client.close()
+        client.d.stop()
