@@ -1,12 +1,71 @@
 #include "server/store/publish_file.h"
 
+#include <fcntl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <set>
+#include <thread>
 
 #include "server/store/safetensors.h"
 
 namespace cache_dit_opd::server {
+namespace {
+
+// O_NONBLOCK: opening a FIFO must not wait for a writer.
+constexpr int kOpenFlags = O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
+
+// The client names the file, so the daemon opens it with the client's
+// rights: a daemon running as root would otherwise read, for any peer it
+// admits (--allowed-gid), files that peer may not read. The daemon's own uid
+// opens directly. Root opens on a thread of its own that takes the peer's
+// filesystem uid, gid and supplementary groups and ends with them: these
+// credentials are per thread in the kernel, so raw syscalls (glibc's
+// setgroups wrapper would change every thread's), and leaving fsuid 0 drops
+// the filesystem capabilities (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) too.
+// Any other daemon cannot act as another uid and refuses.
+Status OpenAsPeer(const PeerCred& peer, const std::string& path, int* fd) {
+  *fd = -1;
+  const uid_t own = ::geteuid();
+  int err = 0;
+  if (peer.uid == own) {
+    *fd = ::open(path.c_str(), kOpenFlags);
+    if (*fd < 0) err = errno;
+  } else if (own != 0) {
+    return Status::Rejected(Reason::kStoreDenied, "publish: ", path, ": this daemon (uid ", own,
+                            ") opens files only as its own uid, not as uid ", peer.uid,
+                            "; publish the tensors from the session instead");
+  } else {
+    std::thread([&] {
+      if (::syscall(SYS_setgroups, peer.groups.size(), peer.groups.data()) != 0) {
+        err = errno;
+        return;
+      }
+      ::syscall(SYS_setfsgid, peer.gid);
+      ::syscall(SYS_setfsuid, peer.uid);
+      // -1 is no id: the call changes nothing and returns the current one.
+      if (static_cast<uid_t>(::syscall(SYS_setfsuid, -1)) != peer.uid ||
+          static_cast<gid_t>(::syscall(SYS_setfsgid, -1)) != peer.gid) {
+        err = EPERM;
+        return;
+      }
+      *fd = ::open(path.c_str(), kOpenFlags);
+      if (*fd < 0) err = errno;
+    }).join();
+  }
+  if (*fd >= 0) return Status::Ok();
+  if (err == EACCES || err == EPERM) {
+    return Status::Rejected(Reason::kStoreDenied, "publish: uid ", peer.uid, " may not read ", path, " (",
+                            std::strerror(err), ")");
+  }
+  return Status::Rejected(Reason::kBadArgument, "safetensors file ", path, ": ", std::strerror(err));
+}
+
+}  // namespace
 
 Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileParams& p,
                    std::vector<StoreEntryInfo>* out, size_t chunk_bytes) {
@@ -20,8 +79,10 @@ Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileP
     return Status::Rejected(Reason::kBadArgument, "publish: ", p.tensors.size(), " tensors named (at most ",
                             kMaxPublishTensors, " a set)");
   }
+  int fd = -1;
+  OPD_RETURN_IF_ERROR(OpenAsPeer(owner, p.path, &fd));
   std::unique_ptr<SafetensorsFile> file;
-  OPD_RETURN_IF_ERROR(SafetensorsFile::Open(p.path, &file));
+  OPD_RETURN_IF_ERROR(SafetensorsFile::Open(fd, p.path, &file));
 
   std::vector<const SafetensorsTensor*> chosen;
   if (p.tensors.empty()) {

@@ -29,12 +29,16 @@ struct PublishFileParams {
   std::vector<uid_t> readers;
 };
 
-// Opens and checks `p.path` (SafetensorsFile), publishes the chosen tensors
-// as one set owned by `owner` (WeightStore::Publish), reading each in chunks
-// of at most `chunk_bytes` into the store's memory. `out`: the set, in file
-// offset order. Errors: the file's (safetensors.h), the store's
-// (weight_store.h), BAD_ARGUMENT for a relative path, a tensor the file does
-// not hold or one named twice.
+// Opens `p.path` with `owner`'s filesystem rights (its uid, gid and
+// supplementary groups: a file the client could not read itself is refused;
+// a daemon not running as root opens files for its own uid only), checks it
+// (SafetensorsFile), publishes the chosen tensors as one set owned by `owner`
+// (WeightStore::Publish), reading each in chunks of at most `chunk_bytes`
+// into the store's memory. `out`: the set, in file offset order. Errors: the
+// file's (safetensors.h), the store's (weight_store.h), STORE_DENIED when
+// `owner` may not open the file (or the daemon may not open it as `owner`),
+// BAD_ARGUMENT for a relative path, a tensor the file does not hold or one
+// named twice.
 Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileParams& p,
                    std::vector<StoreEntryInfo>* out, size_t chunk_bytes = 16u << 20);
 

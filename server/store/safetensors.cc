@@ -272,6 +272,10 @@ Status SafetensorsFile::Open(const std::string& path, std::unique_ptr<Safetensor
     if (e == EACCES || e == EPERM) return Bad("safetensors file ", path, ": the daemon may not read it (", why, ")");
     return Bad("safetensors file ", path, ": ", why);
   }
+  return Open(fd, path, out);
+}
+
+Status SafetensorsFile::Open(int fd, const std::string& path, std::unique_ptr<SafetensorsFile>* out) {
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile(path, fd));
   auto bad = [&](const Status& s) { return s.Annotated("safetensors file " + path + ": "); };
   struct stat st {};

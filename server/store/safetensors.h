@@ -99,6 +99,10 @@ class SafetensorsFile {
   // device), reads and checks its header; every error names the path and
   // why (missing, not readable by the daemon, truncated, ...).
   static Status Open(const std::string& path, std::unique_ptr<SafetensorsFile>* out);
+  // The same on `fd`, a descriptor of `path` opened read-only by the caller
+  // (who decided whose rights open it: server/store/publish_file.h). Takes
+  // `fd` in every case: it is closed on failure and by the file.
+  static Status Open(int fd, const std::string& path, std::unique_ptr<SafetensorsFile>* out);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;

@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import safetensors.torch as st
@@ -136,6 +137,11 @@ def test_another_uid_reads_through_the_allowed_group_but_may_not_delete(tmp_path
     os.chmod(sockets, 0o755)  # the child must reach the sockets (mode 0660, group 0)
     d = fx.daemon(sockets, "--max-store-bytes", "1M", "--allowed-gid", "0")
     s = open_session(d)
+    # Files the child names to PublishFile (in a folder it may search): the daemon, root here, opens them with
+    # the child's rights, so root's own file is refused and one its group (0) may read is published.
+    own, group = weights(Path(sockets), "own.safetensors"), weights(Path(sockets), "group.safetensors")
+    os.chmod(own, 0o600)
+    os.chmod(group, 0o640)
     try:
         store.publish_file(weights(tmp_path), prefix="root/", session=s)
         # The helper imports everything first, then forks before any thread exists; its child drops to
@@ -160,6 +166,11 @@ def test_another_uid_reads_through_the_allowed_group_but_may_not_delete(tmp_path
                     store.delete("root/ff.bias", session=s)
                 except PermissionError as e:
                     print("refused:", e, flush=True)
+                try:
+                    store.publish_file({str(own)!r}, prefix="mine/", session=s)
+                except PermissionError as e:
+                    print("not readable:", e, flush=True)
+                store.publish_file({str(group)!r}, prefix="group/", session=s)
                 s.close()
                 os._exit(0)
             except BaseException as e:
@@ -171,7 +182,12 @@ def test_another_uid_reads_through_the_allowed_group_but_may_not_delete(tmp_path
         assert r.returncode == 0, r.stdout + r.stderr
         assert "refused: cache_dit_opd.store: deleting 'root/ff.bias': delete: store entry 'root/ff.bias' belongs " \
                f"to uid {os.getuid()}; uid 65534 may not delete it" in r.stdout, r.stdout + r.stderr
-        assert len(store.list_entries(session=s)) == 3
+        assert f"not readable: cache_dit_opd.store: publishing {own}" in r.stdout, r.stdout + r.stderr
+        assert f"publish: uid 65534 may not read {own} (Permission denied)" in r.stdout, r.stdout + r.stderr
+        entries = store.list_entries(session=s)
+        assert sorted(e.name for e in entries if e.name.startswith("group/")) == [
+            "group/ff.bias", "group/ff.qweight", "group/ff.wscales"]
+        assert len(entries) == 6 and not any(e.name.startswith("mine/") for e in entries)
     finally:
         s.close()
         d.kill()

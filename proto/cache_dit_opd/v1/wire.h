@@ -122,7 +122,7 @@ inline constexpr uint64_t kNoRegion = 0;
   X(kInputsStalled, 22, INPUTS_STALLED, 4, kReconnect)      /* a parked wait on inputs_ready timed out */ \
   X(kStoreUnknown, 23, STORE_UNKNOWN, 5, kRaise)            /* no such store entry (a restarted daemon's is empty) */ \
   X(kStoreExists, 24, STORE_EXISTS, 6, kRaise)              /* a store name that is already published */ \
-  X(kStoreDenied, 25, STORE_DENIED, 7, kRaise)              /* the peer may not read or delete the entry */
+  X(kStoreDenied, 25, STORE_DENIED, 7, kRaise)              /* may not read or delete the entry, or read the file */
 
 // X(google.rpc.Code, action) for errors without a reason.
 #define CACHE_DIT_OPD_CODE_ACTIONS(X) \
