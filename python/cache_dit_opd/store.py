@@ -2,7 +2,8 @@
 published them, so that one copy of a model's weights serves every worker on the GPU.
 
 * ``publish_file(path, prefix)``: the daemon reads tensors of a ``.safetensors`` file itself (the fast
-  path for a model on local disk); ``publish(tensors, prefix)``: the daemon copies this process's CUDA
+  path for a model on local disk), opened with this process's rights (its uid and groups: a file it may
+  not read raises PermissionError); ``publish(tensors, prefix)``: the daemon copies this process's CUDA
   tensors (they may be freed once it returns). Either way the set is one allocation in the daemon and
   becomes visible at once.
 * ``attach(name)``: an ordinary CUDA tensor of this process over the stored bytes, mapped read-only

@@ -2,7 +2,7 @@
 //
 // The daemon's reader of .safetensors files (the format of
 // github.com/huggingface/safetensors): what the weight store loads when a
-// client asks it to publish tensors from a file the daemon can read. The file
+// client asks it to publish tensors from a file the client may read. The file
 // is the client's choice, so every byte of it is hostile input.
 //
 // Format:
