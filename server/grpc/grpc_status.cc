@@ -3,15 +3,26 @@
 #include <string>
 
 namespace cache_dit_opd {
+namespace {
+
+std::string Bounded(const std::string& message) {
+  if (message.size() <= kMaxGrpcMessageBytes) return message;
+  size_t keep = kMaxGrpcMessageBytes - 64;  // room for the note
+  // Never end inside a multi-byte character (continuation bytes are 10xxxxxx).
+  while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;
+  return message.substr(0, keep) + "... (" + std::to_string(message.size() - keep) + " more bytes cut)";
+}
+
+}  // namespace
 
 grpc::Status ToGrpcStatus(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
   int code = static_cast<int>(status.code());
   // Out-of-range values cannot come from our builders; keep the wire valid anyway.
   if (code <= 0 || code > static_cast<int>(grpc::StatusCode::UNAUTHENTICATED)) {
-    return grpc::Status(grpc::StatusCode::UNKNOWN, status.message());
+    return grpc::Status(grpc::StatusCode::UNKNOWN, Bounded(status.message()));
   }
-  return grpc::Status(static_cast<grpc::StatusCode>(code), status.message());
+  return grpc::Status(static_cast<grpc::StatusCode>(code), Bounded(status.message()));
 }
 
 void Finish(grpc::CallbackServerContext* ctx, grpc::ServerUnaryReactor* reactor, const Status& status) {

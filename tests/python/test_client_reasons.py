@@ -314,6 +314,25 @@ def test_the_daemon_sends_the_reason_and_the_client_acts_on_it(name):
         d.kill()
 
 
+def test_an_error_echoing_a_huge_value_keeps_its_reason_and_a_bounded_message():
+    """The daemon cuts a message to 2048 bytes (server/grpc/grpc_status.h): a 20 KB op name (a non-ASCII one
+    travels percent-encoded, three bytes each) would otherwise push the answer past gRPC's 16 KiB of metadata,
+    and the client would get gRPC's own RESOURCE_EXHAUSTED with no reason instead of OP_UNKNOWN."""
+    d = fx.daemon(None)
+    p = Peer(d)
+    try:
+        r = p.bound()
+        for name in ("x" * 20000, "\u00e9" * 10000):
+            err = rejected(lambda: p.call(r, op=name, args=[]))
+            assert (err.code, _errors.reason_name(err.reason)) == (5, "OP_UNKNOWN"), err
+            assert len(err.message.encode()) <= 2048 and err.message.endswith(" more bytes cut)"), err.message[-80:]
+            assert name[:100] in err.message
+        assert d.alive()
+    finally:
+        p.close()
+        d.kill()
+
+
 def test_an_error_without_a_reason_acts_by_its_code():
     for code, action in _wire.CODE_ACTIONS.items():
         assert _errors.action(code, 0) == action

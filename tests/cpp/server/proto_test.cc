@@ -249,5 +249,24 @@ TEST(GrpcStatusTest, OneToOneCodesAndMessages) {
   EXPECT_EQ(ToGrpcStatus(Status(static_cast<StatusCode>(99), "odd")).error_code(), grpc::StatusCode::UNKNOWN);
 }
 
+TEST(GrpcStatusTest, LongMessagesAreCutOnACharacterBoundaryWithANote) {
+  const std::string fits(kMaxGrpcMessageBytes, 'a');
+  EXPECT_EQ(ToGrpcStatus(Status::InvalidArgument(fits)).error_message(), fits);
+  // "é" is two bytes: a cut at any byte position lands before a whole one.
+  for (size_t lead : {0, 1}) {
+    std::string value(lead, 'x');
+    for (int i = 0; i < 20000; ++i) value += "\xc3\xa9";
+    const std::string m = ToGrpcStatus(Status::InvalidArgument("op '", value, "' is unknown")).error_message();
+    ASSERT_LE(m.size(), kMaxGrpcMessageBytes);
+    const size_t note = m.rfind("... (");
+    ASSERT_NE(note, std::string::npos) << m.substr(m.size() - 80);
+    const std::string kept = m.substr(0, note);
+    EXPECT_EQ(kept.rfind("op '", 0), 0u);
+    EXPECT_TRUE(kept.size() <= lead + 4 || (kept.size() - lead - 4) % 2 == 0) << kept.size();  // whole characters
+    const size_t total = std::string("op '").size() + value.size() + std::string("' is unknown").size();
+    EXPECT_EQ(m.substr(note), "... (" + std::to_string(total - kept.size()) + " more bytes cut)");
+  }
+}
+
 }  // namespace
 }  // namespace cache_dit_opd
