@@ -89,17 +89,31 @@ Status InnermostPid(pid_t pid, pid_t* out) {
                           " from /proc/", pid, "/status");
 }
 
-std::string ReadCommandLine(pid_t pid, size_t max_bytes) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+namespace {
+
+// Up to `max_bytes` of /proc/<pid>/<file>, trailing NULs and newlines dropped,
+// inner NULs as spaces, other control characters as '?' (no control
+// characters into a terminal).
+std::string ReadProcText(pid_t pid, const char* file, size_t max_bytes) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/" + file, std::ios::binary);
   std::string text(max_bytes, '\0');
   in.read(text.data(), static_cast<std::streamsize>(max_bytes));
   text.resize(static_cast<size_t>(in.gcount()));
-  while (!text.empty() && text.back() == '\0') text.pop_back();
+  while (!text.empty() && (text.back() == '\0' || text.back() == '\n')) text.pop_back();
   for (char& c : text) {
     if (c == '\0') c = ' ';
-    else if (static_cast<unsigned char>(c) < 0x20) c = '?';  // no control characters into a terminal
+    else if (static_cast<unsigned char>(c) < 0x20) c = '?';
   }
   return text;
+}
+
+}  // namespace
+
+std::string ReadCommandLine(pid_t pid, size_t max_bytes) { return ReadProcText(pid, "cmdline", max_bytes); }
+
+std::string ReadCommandName(pid_t pid) {
+  std::string name = ReadProcText(pid, "comm", 64);
+  return name.empty() ? name : "[" + name + "]";
 }
 
 }  // namespace cache_dit_opd

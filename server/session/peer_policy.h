@@ -61,6 +61,14 @@ Status InnermostPid(pid_t pid, pid_t* out);
 
 // /proc/<pid>/cmdline with arguments joined by spaces, cut at `max_bytes`;
 // "" when unreadable. For people (opdctl sessions), never for decisions.
+// Reading it reads the process's memory, which that process can make block
+// forever (argv in a FUSE-backed mapping): call it only for a process that
+// could stop the caller anyway (the same uid).
 std::string ReadCommandLine(pid_t pid, size_t max_bytes = 256);
+
+// "[<name>]": /proc/<pid>/comm (at most 15 bytes, held by the kernel: never
+// blocks), as ps shows a process whose arguments it does not read; "" when
+// unreadable.
+std::string ReadCommandName(pid_t pid);
 
 }  // namespace cache_dit_opd

@@ -133,7 +133,8 @@ class Session {
   std::atomic<int64_t> last_call_ns{0};
   std::chrono::steady_clock::time_point opened_at() const { return opened_at_; }
   // The bound peer's command line (/proc/<pid>/cmdline, arguments joined by
-  // spaces, at most 256 bytes), read at bind: for people (opdctl sessions).
+  // spaces, at most 256 bytes; for a peer of another uid than the daemon's
+  // only "[<its name>]"), read at bind: for people (opdctl sessions).
   const std::string& command() const { return command_; }
   void set_command(std::string command) { command_ = std::move(command); }
 

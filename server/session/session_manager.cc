@@ -135,7 +135,11 @@ Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::s
                             v1::kProtocolVersion, ": install matching versions of the client and the daemon");
   }
   OPD_RETURN_IF_ERROR(policy_.Admit(peer));
-  std::string command = ReadCommandLine(peer.pid);
+  // On the channel thread, before the token is checked: a peer of another
+  // uid (--allowed-gid) must not be able to block it, so only the name of
+  // its process (peer_policy.h).
+  std::string command =
+      peer.uid == policy_.own_uid() ? ReadCommandLine(peer.pid) : ReadCommandName(peer.pid);
   std::shared_ptr<Session> s;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -15,7 +15,9 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdio>
+#include <fstream>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -222,8 +224,24 @@ TEST_F(SessionManagerTest, AllowedGidAdmitsForeignUid) {
   int memfd = -1;
   int fd = Bind(s->id(), TokenOf(*s), &reply, &memfd);
   EXPECT_EQ(reply.status_code, 0) << reply.message;
+  // Another uid's argv is not read (it could block the channel thread): its name only.
+  EXPECT_EQ(s->command(), ReadCommandName(getpid()));
   close(memfd);
   close(fd);
+}
+
+TEST(PeerPolicyTest, CommandLineAndName) {
+  std::ifstream comm("/proc/self/comm");
+  std::string name;
+  std::getline(comm, name);
+  ASSERT_FALSE(name.empty());
+  EXPECT_EQ(ReadCommandName(getpid()), "[" + name + "]");
+  const std::string line = ReadCommandLine(getpid());
+  EXPECT_NE(line.find("opd_server_tests"), std::string::npos) << line;
+  EXPECT_EQ(line.find('\0'), std::string::npos);
+  EXPECT_EQ(ReadCommandLine(getpid(), 5).size(), 5u);
+  EXPECT_EQ(ReadCommandName(-1), "");
+  EXPECT_EQ(ReadCommandLine(-1), "");
 }
 
 TEST(PeerPolicyTest, Admission) {
