@@ -49,7 +49,7 @@ Status ReadPeerCred(int fd, PeerCred* out) {
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-    return Status::Internal("getsockopt(SO_PEERCRED): ", std::strerror(errno));
+    return Status::Rejected(Reason::kInternal, "getsockopt(SO_PEERCRED): ", std::strerror(errno));
   }
   *out = PeerCred{cred.pid, cred.uid, cred.gid, {}};
   // The kernel answers ERANGE with the size it needs (the peer's groups are
@@ -63,10 +63,12 @@ Status ReadPeerCred(int fd, PeerCred* out) {
       return Status::Ok();
     }
     if (errno == ENOPROTOOPT) return Status::Ok();  // before Linux 4.13: the primary gid alone decides
-    if (errno != ERANGE) return Status::Internal("getsockopt(SO_PEERGROUPS): ", std::strerror(errno));
+    if (errno != ERANGE) {
+      return Status::Rejected(Reason::kInternal, "getsockopt(SO_PEERGROUPS): ", std::strerror(errno));
+    }
     groups.resize(glen / sizeof(gid_t));
   }
-  return Status::Internal("getsockopt(SO_PEERGROUPS): the group list kept growing");
+  return Status::Rejected(Reason::kInternal, "getsockopt(SO_PEERGROUPS): the group list kept growing");
 }
 
 Status InnermostPid(pid_t pid, pid_t* out) {

@@ -273,7 +273,7 @@ Status SessionChannel::HandleAdmin(std::string_view bytes, const PeerCred& peer)
   if (req.command != static_cast<uint32_t>(v1::AdminCommand::kDrain) || req.reserved != 0) {
     return Status::Rejected(Reason::kBadArgument, "unknown admin command ", req.command);
   }
-  if (!admin_) return Status(StatusCode::kUnimplemented, "this daemon takes no admin requests");
+  if (!admin_) return Status::Rejected(Reason::kUnsupported, "this daemon takes no admin requests");
   Status s = admin_(v1::AdminCommand::kDrain, peer);
   static LogThrottle logged(10, std::chrono::seconds(10));  // any peer can ask
   if (const auto v = logged.Next(); v.log) {
@@ -376,7 +376,11 @@ void SessionChannel::HandOver(Conn& conn, Status admitted, const char* what, con
       CloseConn(conn.fd);
       return;
     }
-    admitted = Status::Internal(what, ": dup: ", std::strerror(errno));
+    const int err = errno;
+    admitted = err == EMFILE || err == ENFILE
+                   ? Status::Rejected(Reason::kResourceExhausted, what, ": the daemon is out of descriptors (dup: ",
+                                      std::strerror(err), ")")
+                   : Status::Rejected(Reason::kInternal, what, ": dup: ", std::strerror(err));
   }
   static LogThrottle refused(10, std::chrono::seconds(10));  // any peer can ask
   if (const auto v = refused.Next(); v.log) {
@@ -391,7 +395,7 @@ void SessionChannel::HandleAttach(Conn& conn, std::string_view bytes) {
   std::shared_ptr<Session> session;
   std::string name;
   Status s = manager_->AdmitAttach(bytes, conn.peer, &session, &name);
-  if (s.ok() && !attach_) s = Status(StatusCode::kUnimplemented, "this daemon has no weight store");
+  if (s.ok() && !attach_) s = Status::Rejected(Reason::kUnsupported, "this daemon has no weight store");
   HandOver(
       conn, s, "store attach", [&](int reply_fd) { attach_(std::move(session), std::move(name), reply_fd); },
       [](int fd, const Status& why) { (void)SendAttachReply(fd, why, v1::StoreAttachReply{}, -1); });
@@ -403,7 +407,7 @@ void SessionChannel::HandleRegion(Conn& conn, std::string_view bytes, std::span<
   Status s = truncated ? Status::Rejected(Reason::kMalformed, "region request with more than ", v1::kMaxVmmChunks,
                                           " descriptors")
                        : manager_->AdmitVmmRegion(bytes, fds.size(), conn.peer, &session, &req);
-  if (s.ok() && !region_) s = Status(StatusCode::kUnimplemented, "this daemon maps no client chunks");
+  if (s.ok() && !region_) s = Status::Rejected(Reason::kUnsupported, "this daemon maps no client chunks");
   HandOver(
       conn, s, "region request", [&](int reply_fd) { region_(std::move(session), req, fds, reply_fd); },
       [](int fd, const Status& why) { (void)SendRegionReply(fd, why, 0, 0); });

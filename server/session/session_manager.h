@@ -22,7 +22,9 @@
 // Error codes: INVALID_ARGUMENT (token not 32 bytes, client_pid <= 0, name
 // too long), NOT_FOUND (unknown session), PERMISSION_DENIED (wrong token,
 // peer not admitted, pid mismatch), FAILED_PRECONDITION (protocol or GPU
-// mismatch, not bound yet, bound twice), RESOURCE_EXHAUSTED (--max-sessions),
+// mismatch, not bound yet), INVALID_ARGUMENT [MALFORMED] (a bind request
+// that breaks the format, or one for a session bound already: a client
+// does that only by mistake, and fails the session), RESOURCE_EXHAUSTED (--max-sessions),
 // UNAVAILABLE (draining). Thread-safe.
 #pragma once
 

@@ -426,6 +426,23 @@ TEST_F(SessionManagerTest, OpenValidatesRequestAndLimits) {
   EXPECT_EQ(st.code(), StatusCode::kUnavailable);
 }
 
+// A channel without the admin hook (as here) refuses a well-formed admin
+// request with a reason a program can act on, as every refusal has.
+TEST_F(SessionManagerTest, AnAdminRequestToAChannelWithoutAdminIsUnsupported) {
+  Init(PeerPolicy::ForThisProcess(std::nullopt));
+  int fd = testing::ConnectSeqpacket(channel_->path());
+  v1::AdminRequest req{v1::kAdminRequestMagic, v1::kProtocolVersion,
+                       static_cast<uint32_t>(v1::AdminCommand::kDrain), 0};
+  ASSERT_EQ(send(fd, &req, sizeof(req), 0), static_cast<ssize_t>(sizeof(req)));
+  v1::BindReply reply;
+  int memfd = -1;
+  ASSERT_TRUE(testing::RecvBindReply(fd, &reply, &memfd));
+  EXPECT_EQ(reply.status_code, static_cast<int>(StatusCode::kUnimplemented)) << reply.message;
+  EXPECT_EQ(reply.reason, static_cast<uint32_t>(Reason::kUnsupported)) << reply.message;
+  EXPECT_EQ(memfd, -1);
+  close(fd);
+}
+
 TEST_F(SessionManagerTest, MalformedBindMessages) {
   Init(PeerPolicy::ForThisProcess(std::nullopt));
   std::shared_ptr<Session> s;
