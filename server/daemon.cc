@@ -342,8 +342,8 @@ void Daemon::Call(uint64_t session_id, std::string_view token, CallRequest req, 
   executor_->Submit(s, std::move(req), std::move(done));
 }
 
-void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq, Status reason,
-                          Executor::Completion done) {
+void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq,
+                          CallTransport transport, Status reason, Executor::Completion done) {
   bool refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -353,11 +353,11 @@ void Daemon::CallRejected(uint64_t session_id, std::string_view token, uint32_t 
   if (!refused) refused = !sessions_->Authorize(session_id, token, /*require_bound=*/true, &s).ok();
   if (refused) {
     // Nobody takes the seq; the transport's own error is the answer.
-    stats_.Count(stats_.per_op.other_row(), CallTransport::kRing, reason);
+    stats_.Count(stats_.per_op.other_row(), transport, reason);
     done(reason);
     return;
   }
-  executor_->SubmitRejected(s, lane, seq, std::move(reason), std::move(done));
+  executor_->SubmitRejected(s, lane, seq, transport, std::move(reason), std::move(done));
 }
 
 Status Daemon::Store(server::WeightStore** out) const {
@@ -601,7 +601,7 @@ void Daemon::OnSessionBound(const std::shared_ptr<Session>& session) {
     Call(id, token, std::move(req), std::move(done));
   };
   sink.submit_rejected = [this, id, token](uint32_t lane, uint64_t seq, Status reason, Executor::Completion done) {
-    CallRejected(id, token, lane, seq, std::move(reason), std::move(done));
+    CallRejected(id, token, lane, seq, CallTransport::kRing, std::move(reason), std::move(done));
   };
   sink.count_unnumbered = [this](const Status& reason) {
     stats_.Count(stats_.per_op.other_row(), CallTransport::kRing, reason);

@@ -192,8 +192,8 @@ class Daemon {
   // (a malformed ring record): the same session checks as Call, then
   // Executor::SubmitRejected, so the seq completes in order when it is the
   // lane's next. Always answered with `reason`.
-  void CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq, Status reason,
-                    Executor::Completion done);
+  void CallRejected(uint64_t session_id, std::string_view token, uint32_t lane, uint64_t seq,
+                    CallTransport transport, Status reason, Executor::Completion done);
   Status GetStats(uint64_t session_id, std::string_view token, StatsSnapshot* out) const;
   // The weight store (server/store/). PublishFile completes on the store's
   // thread; the owner and the reader of an entry is the bound session's peer.

@@ -128,8 +128,8 @@ void Executor::Submit(const std::shared_ptr<Session>& session, CallRequest req, 
   }
 }
 
-void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq, Status reason,
-                              Completion done) {
+void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq,
+                              CallTransport transport, Status reason, Completion done) {
   if (reason.ok()) reason = Status::Rejected(Reason::kInternal, "SubmitRejected without a reason");
   CallRequest req;
   req.op = "(rejected by its transport)";
@@ -137,7 +137,7 @@ void Executor::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t 
   req.seq = seq;
   // Answered (and recorded) now, on this thread: the verdict is already
   // known. Queued as answered, so at its turn Finish only writes "done".
-  req.transport = CallTransport::kRing;  // the one transport whose records can be undecodable
+  req.transport = transport;
   const Clock::time_point now = Clock::now();
   Item item{.session = session,
             .req = std::move(req),

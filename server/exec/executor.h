@@ -178,15 +178,16 @@ class Executor {
 
   // Executor::SubmitRejected
   //
-  // A call the transport already rejected (a malformed ring record whose
-  // header still names its lane and seq). The same immediate checks as
+  // A call `transport` already rejected (a malformed ring record whose
+  // header still names its lane and seq, a gRPC request that does not
+  // convert to a call). The same immediate checks as
   // Submit apply; a call that passes them takes its seq, is answered with
   // `reason` at once (on the calling thread) and is queued like any call:
   // at its turn the lane stream writes its "done" in order and nothing runs.
   // A call that fails them is answered with `reason` too (the transport's
   // error names the real defect) and touches no lane.
-  void SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq, Status reason,
-                      Completion done);
+  void SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq,
+                      CallTransport transport, Status reason, Completion done);
 
   // Executor::DropSession
   //

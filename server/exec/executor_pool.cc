@@ -65,8 +65,9 @@ void ExecutorPool::Submit(const std::shared_ptr<Session>& session, CallRequest r
 }
 
 void ExecutorPool::SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq,
-                                  Status reason, Executor::Completion done) {
-  executors_[ExecutorOf(*session)]->SubmitRejected(session, lane, seq, std::move(reason), std::move(done));
+                                  CallTransport transport, Status reason, Executor::Completion done) {
+  executors_[ExecutorOf(*session)]->SubmitRejected(session, lane, seq, transport, std::move(reason),
+                                                   std::move(done));
 }
 
 void ExecutorPool::DropSession(const std::shared_ptr<Session>& session, Status reason,

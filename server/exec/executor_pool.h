@@ -60,8 +60,8 @@ class ExecutorPool {
 
   // As Executor's, on `session`'s executor.
   void Submit(const std::shared_ptr<Session>& session, CallRequest req, Executor::Completion done);
-  void SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq, Status reason,
-                      Executor::Completion done);
+  void SubmitRejected(const std::shared_ptr<Session>& session, uint32_t lane, uint64_t seq,
+                      CallTransport transport, Status reason, Executor::Completion done);
   void DropSession(const std::shared_ptr<Session>& session, Status reason, std::function<void()> then);
   // `source` is `session`'s call ring.
   void AddRing(const std::shared_ptr<Session>& session, std::shared_ptr<CallSource> source);

@@ -96,7 +96,7 @@ grpc::ServerUnaryReactor* OperatorDaemonService::Call(grpc::CallbackServerContex
     // A malformed call still completes its seq in order when it is the
     // lane's next (same rule as a malformed ring record).
     daemon_->CallRejected(request->session_id(), request->token(), request->lane(), request->seq(),
-                          std::move(s), std::move(finish));
+                          CallTransport::kGrpc, std::move(s), std::move(finish));
     return reactor;
   }
   daemon_->Call(request->session_id(), request->token(), std::move(req), std::move(finish));

@@ -98,6 +98,8 @@ def test_metrics_count_known_calls_and_rejections_by_op_reason_and_transport(met
         for _ in range(2):
             rejected(lambda: p.call(r, args=bad))
         rejected(lambda: p.call(r, op="no_such_op", args=args))
+        too_many = rejected(lambda: p.call(r, args=[args[0]] * 33))  # no call: the request does not convert
+        assert _errors.reason_name(too_many.reason) == "BAD_ARGUMENT", too_many
         m = scrape(port)
         assert m[("#type", "cache_dit_opd_calls")] == "counter"
         grpc_quant = dict(op=QUANT[0], overload=QUANT[1], transport="grpc")
@@ -107,6 +109,10 @@ def test_metrics_count_known_calls_and_rejections_by_op_reason_and_transport(met
         assert sample(m, "cache_dit_opd_call_rejections_total", op="", overload="", transport="grpc",
                       reason="OP_UNKNOWN") == 1
         assert not [k for k in m if k[0] != "#type" and ("op", "no_such_op") in k[1]]
+        # ...as is a request that does not convert to a call, under its own transport.
+        assert sample(m, "cache_dit_opd_call_rejections_total", op="", overload="", transport="grpc",
+                      reason="BAD_ARGUMENT") == 1
+        assert not [k for k in m if k[0] == "cache_dit_opd_call_rejections_total" and ("transport", "ring") in k[1]]
         # Histograms: every call of the row reached completion; cumulative buckets, +Inf == _count.
         n = sample(m, "cache_dit_opd_call_duration_seconds_count", **grpc_quant)
         assert n == 5, n  # 3 run + 2 rejected at acceptance, each completed in order
@@ -131,7 +137,7 @@ def test_metrics_count_known_calls_and_rejections_by_op_reason_and_transport(met
         # GetStats' per-op rows are the same table.
         ops = {(o.name, o.overload, o.transport): o for o in d.stats().ops}
         assert ops[(*QUANT, "grpc")].calls == 3 and ops[(*QUANT, "grpc")].rejections == 2
-        assert ops[("", "", "grpc")].rejections == 1
+        assert ops[("", "", "grpc")].rejections == 2 and ("", "", "ring") not in ops
         p.stub.CloseSession(pb.CloseSessionRequest(session_id=r.session_id, token=r.token), timeout=TIMEOUT_S)
         deadline = time.monotonic() + TIMEOUT_S
         while sample(m := scrape(port), "cache_dit_opd_sessions") != 0:

@@ -361,10 +361,11 @@ TEST_F(RingExecutorTest, PreRejectedCallTakesItsSeqAndCompletesInOrder) {
 
   Status answer;
   bool answered = false;
-  executor_->SubmitRejected(session_, 0, 2, Status::InvalidArgument("record says no"), [&](const Status& s) {
-    answer = s;
-    answered = true;
-  });
+  executor_->SubmitRejected(session_, 0, 2, CallTransport::kRing, Status::InvalidArgument("record says no"),
+                            [&](const Status& s) {
+                              answer = s;
+                              answered = true;
+                            });
   ASSERT_TRUE(answered);  // at once, on this thread
   EXPECT_EQ(answer.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(answer.message(), "record says no");
@@ -389,7 +390,7 @@ TEST_F(RingExecutorTest, PreRejectedCallTakesItsSeqAndCompletesInOrder) {
 TEST_F(RingExecutorTest, PreRejectedCallOutOfOrderTouchesNoLane) {
   for (auto [lane, seq] : {std::pair<uint32_t, uint64_t>{0, 5}, {0, 0}, {7, 1}}) {
     Status answer;
-    executor_->SubmitRejected(session_, lane, seq, Status::InvalidArgument("bad record"),
+    executor_->SubmitRejected(session_, lane, seq, CallTransport::kRing, Status::InvalidArgument("bad record"),
                               [&](const Status& s) { answer = s; });
     EXPECT_EQ(answer.message(), "bad record");
   }
@@ -404,7 +405,8 @@ TEST_F(RingExecutorTest, DropWritesDoneForPreRejectedCallsWithoutAnsweringTwice)
   executor_->Submit(session_, Req(1, 1), [&](const Status& s) { first.set_value(s); });
   ASSERT_TRUE(first.get_future().get().ok());
   int answers = 0;
-  executor_->SubmitRejected(session_, 1, 2, Status::InvalidArgument("x"), [&](const Status&) { ++answers; });
+  executor_->SubmitRejected(session_, 1, 2, CallTransport::kRing, Status::InvalidArgument("x"),
+                            [&](const Status&) { ++answers; });
   session_->set_state(SessionState::kClosed);
   std::promise<void> dropped;
   executor_->DropSession(session_, Status::Cancelled("ended"), [&] { dropped.set_value(); });
@@ -488,7 +490,7 @@ class RingConsumerTest : public ::testing::Test {
       executor_->Submit(session_, std::move(r), std::move(d));
     };
     sink.submit_rejected = [this](uint32_t lane, uint64_t seq, Status s, RingConsumer::Completion d) {
-      executor_->SubmitRejected(session_, lane, seq, std::move(s), std::move(d));
+      executor_->SubmitRejected(session_, lane, seq, CallTransport::kRing, std::move(s), std::move(d));
     };
     sink.on_violation = [this](const Status& s) {
       std::lock_guard<std::mutex> lock(mu_);
