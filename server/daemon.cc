@@ -85,7 +85,7 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
       [this](const std::shared_ptr<Session>& s) { OnSessionBound(s); });
   if (deps_.store_allocator != nullptr && options_.max_store_bytes > 0) {
     store_ = std::make_unique<server::WeightStore>(deps_.store_allocator, options_.max_store_bytes,
-                                                   options_.allowed_gid);
+                                                   options_.allowed_gid, options_.max_store_entries);
   }
   channel_ = std::make_unique<SessionChannel>(session_socket_, sessions_.get());
   channel_->SetAdminHandler([this](v1::AdminCommand, const PeerCred& peer) {

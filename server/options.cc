@@ -126,6 +126,9 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
       OPD_RETURN_IF_ERROR(next());
       Status s = ParseByteSize(value, &opts->max_store_bytes);
       if (!s.ok()) return Status::InvalidArgument("--max-store-bytes: ", s.message());
+    } else if (flag == "--max-store-entries") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 1u << 20, &opts->max_store_entries));
     } else if (flag == "--max-message-bytes") {
       OPD_RETURN_IF_ERROR(next());
       uint64_t v = 0;
@@ -198,7 +201,8 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
 std::string OptionsUsage() {
   return "usage: cache-dit-opd [--device N] [--socket PATH] [--runtime-dir DIR] [--log-level LEVEL]\n"
          "                     [--max-sessions N] [--max-lanes N] [--max-regions N]\n"
-         "                     [--max-mapped-bytes SIZE] [--max-store-bytes SIZE] [--max-message-bytes SIZE]\n"
+         "                     [--max-mapped-bytes SIZE] [--max-store-bytes SIZE] [--max-store-entries N]\n"
+         "                     [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
          "                     [--spin-us US] [--executor-threads N] [--parking-slots N]\n"
@@ -231,6 +235,9 @@ std::string OptionsHelp() {
          "  --max-mapped-bytes SIZE  Bytes mapped per session (default 1T).\n"
          "  --max-store-bytes SIZE   Device bytes the weight store may hold for all clients\n"
          "                           (default 0: no store; e.g. 16G).\n"
+         "  --max-store-entries N    Entries the weight store may hold for all clients, in\n"
+         "                           [1, 1048576] (default 16384): each costs the daemon host\n"
+         "                           memory, and an empty tensor no device bytes.\n"
          "  --max-message-bytes SIZE Largest gRPC request a client may send (default 64K; the\n"
          "                           largest request of the protocol is ~21K: no tensor travels by\n"
          "                           value). Replies may be up to max(SIZE, 4M). gRPC buffers at most\n"

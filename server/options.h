@@ -32,6 +32,7 @@ struct Options {
   uint64_t max_regions = 4096;           // --max-regions: mapped regions per session
   uint64_t max_mapped_bytes = 1ull << 40;  // --max-mapped-bytes: bytes mapped per session (1 TiB)
   uint64_t max_store_bytes = 0;  // --max-store-bytes: the weight store's bytes, all clients (0: no store)
+  uint64_t max_store_entries = 16384;  // --max-store-entries: its entries (an empty tensor takes no bytes)
   // --max-message-bytes: the largest gRPC request a client may send. No
   // tensor travels by value: the largest request protocol 2 allows (a Call
   // of wire.h's kMaxArgs arguments, each a kMaxListLength list of 10-byte

@@ -140,6 +140,14 @@ grpc::ServerUnaryReactor* OperatorDaemonService::ListStore(grpc::CallbackServerC
     for (const auto& e : l.entries) ToProto(e, reply->add_entries());
     reply->set_store_bytes(l.used_bytes);
     reply->set_max_store_bytes(l.max_bytes);
+    // gRPC clients take at most 4 MiB in one answer by default; past it a
+    // client would read gRPC's own RESOURCE_EXHAUSTED, with no reason.
+    if (const size_t bytes = reply->ByteSizeLong(); bytes > kMaxListingBytes) {
+      reply->Clear();
+      s = Status::Rejected(Reason::kResourceExhausted, "the listing of ", l.entries.size(), " entries under '",
+                           request->prefix(), "' is ", bytes, " bytes, more than one answer carries (",
+                           kMaxListingBytes, "): list by a longer prefix");
+    }
   }
   return FinishNow(ctx, s);
 }

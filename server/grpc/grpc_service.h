@@ -12,6 +12,10 @@
 
 namespace cache_dit_opd {
 
+// The largest ListStore answer: gRPC clients' default receive limit (4 MiB),
+// less room for the framing. A larger listing is RESOURCE_EXHAUSTED.
+inline constexpr size_t kMaxListingBytes = (4u << 20) - 4096;
+
 class OperatorDaemonService final : public v1::OperatorDaemon::CallbackService {
  public:
   explicit OperatorDaemonService(Daemon* daemon) : daemon_(daemon) {}

@@ -32,8 +32,13 @@ struct WeightStore::Shared {
   std::atomic<uint64_t> used{0};
 };
 
-WeightStore::WeightStore(StoreAllocator* allocator, uint64_t max_bytes, std::optional<gid_t> allowed_gid)
-    : allocator_(allocator), max_bytes_(max_bytes), allowed_gid_(allowed_gid), shared_(std::make_shared<Shared>()) {}
+WeightStore::WeightStore(StoreAllocator* allocator, uint64_t max_bytes, std::optional<gid_t> allowed_gid,
+                         uint64_t max_entries)
+    : allocator_(allocator),
+      max_bytes_(max_bytes),
+      allowed_gid_(allowed_gid),
+      max_entries_(max_entries),
+      shared_(std::make_shared<Shared>()) {}
 
 WeightStore::~WeightStore() {
   std::map<std::string, StoreRef, std::less<>> entries;
@@ -150,6 +155,11 @@ Status WeightStore::Publish(const PeerCred& owner, const std::vector<StoreTensor
                                      entries_.count(e->name) ? "" : " (being published)",
                                      "; delete it first, or publish under another name");
       }
+    }
+    const uint64_t held = entries_.size() + pending_.size();
+    if (made.size() > max_entries_ || held > max_entries_ - made.size()) {
+      return Status::Rejected(Reason::kResourceExhausted, "publish: ", made.size(), " entries do not fit the store: ",
+                              held, " of --max-store-entries ", max_entries_, " are held");
     }
     const uint64_t used = shared_->used.load();
     if (total > max_bytes_ || used > max_bytes_ - total) {

@@ -114,8 +114,11 @@ struct StoreEntryInfo {
 class WeightStore {
  public:
   // `max_bytes`: --max-store-bytes (0: no entry fits). `allowed_gid`: the
-  // daemon's --allowed-gid.
-  WeightStore(StoreAllocator* allocator, uint64_t max_bytes, std::optional<gid_t> allowed_gid);
+  // daemon's --allowed-gid. `max_entries`: --max-store-entries, the entries
+  // visible and being published (each costs host memory; an empty tensor
+  // costs no bytes, so the byte limit alone would not bound them).
+  WeightStore(StoreAllocator* allocator, uint64_t max_bytes, std::optional<gid_t> allowed_gid,
+              uint64_t max_entries = 16384);
   ~WeightStore();
   WeightStore(const WeightStore&) = delete;
   WeightStore& operator=(const WeightStore&) = delete;
@@ -140,6 +143,7 @@ class WeightStore {
   uint64_t used_bytes() const;  // reserved + published + deleted-but-referenced
   size_t entries() const;       // visible
   uint64_t max_bytes() const { return max_bytes_; }
+  uint64_t max_entries() const { return max_entries_; }
 
   // A valid hierarchical name, or BAD_ARGUMENT naming it.
   static Status CheckName(std::string_view name);
@@ -154,6 +158,7 @@ class WeightStore {
   StoreAllocator* allocator_;
   const uint64_t max_bytes_;
   const std::optional<gid_t> allowed_gid_;
+  const uint64_t max_entries_;
   std::shared_ptr<Shared> shared_;
   mutable std::mutex mu_;
   std::map<std::string, StoreRef, std::less<>> entries_;  // visible

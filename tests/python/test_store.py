@@ -471,3 +471,28 @@ def test_only_the_process_that_bound_the_session_attaches_for_it(daemon, tmp_pat
         assert store.attach_block("p/ff.qweight", session=s)[0] is not None  # the owner still can
     finally:
         s.close()
+
+
+def test_the_entry_limit_and_a_listing_too_large_for_one_answer(tmp_path):
+    """--max-store-entries bounds what empty tensors (no bytes) could otherwise pile up; a listing past one
+    answer's 4 MiB is RESOURCE_EXHAUSTED naming its size (not gRPC's own error with no reason), and a prefix
+    lists a part of it."""
+    long = "n" * 500
+    many = {f"{long}{i:04d}": torch.zeros(0, dtype=torch.float16) for i in range(4096)}
+    path = weights(tmp_path, "many.safetensors", **many)
+    d = fx.daemon(None, "--max-store-bytes", "1M", "--max-store-entries", "8194")
+    s = open_session(d)
+    try:
+        for prefix in ("a/", "b/"):
+            store.publish_file(path, prefix=prefix, session=s)
+        with pytest.raises(RuntimeError) as e:  # 8192 + 3 > 8194
+            store.publish_file(weights(tmp_path), prefix="c/", session=s)
+        assert "3 entries do not fit the store: 8192 of --max-store-entries 8194 are held" in str(e.value), e.value
+        with pytest.raises(RuntimeError) as e:
+            store.list_entries(session=s)
+        assert "the listing of 8192 entries under '' is" in str(e.value) and "list by a longer prefix" in str(e.value)
+        assert len(store.list_entries("a/", session=s)) == 4096
+        assert d.alive()
+    finally:
+        s.close()
+        d.kill()

@@ -225,6 +225,29 @@ TEST(WeightStoreTest, OverTheLimitIsResourceExhaustedNamingTheBytes) {
   EXPECT_TRUE(none.Publish(kAlice, {Spec("empty", {0})}, {}, FillIndex).ok());  // no byte
 }
 
+// Empty tensors take no bytes, so the entry count bounds them (and the host
+// memory every entry costs): a set that would pass --max-store-entries is
+// refused whole, and a deleted entry frees its place.
+TEST(WeightStoreTest, TheEntryLimitCountsEveryEntryEmptyOrNot) {
+  HostAllocator alloc;
+  WeightStore store(&alloc, 1 << 20, std::nullopt, /*max_entries=*/3);
+  EXPECT_EQ(store.max_entries(), 3u);
+  ASSERT_TRUE(store.Publish(kAlice, {Spec("e0", {0}), Spec("w", {4})}, {}, FillIndex).ok());
+  Status s = store.Publish(kAlice, {Spec("e1", {0}), Spec("e2", {0, 3})}, {}, FillIndex);
+  EXPECT_EQ(s.reason(), Reason::kResourceExhausted);
+  EXPECT_NE(s.message().find("2 entries do not fit the store: 2 of --max-store-entries 3 are held"),
+            std::string::npos)
+      << s.message();
+  EXPECT_EQ(store.entries(), 2u);
+  EXPECT_EQ(store.Publish(kAlice, {Spec("a", {0}), Spec("b", {0}), Spec("c", {0}), Spec("d", {0})}, {}, FillIndex)
+                .reason(),
+            Reason::kResourceExhausted);  // larger than the whole limit
+  EXPECT_TRUE(store.Publish(kAlice, {Spec("e1", {0})}, {}, FillIndex).ok());  // exactly full
+  ASSERT_TRUE(store.Delete(kAlice, "e0").ok());
+  EXPECT_TRUE(store.Publish(kAlice, {Spec("e2", {0})}, {}, FillIndex).ok());
+  EXPECT_EQ(store.entries(), 3u);
+}
+
 TEST(WeightStoreTest, AFailedAllocationOrFillLeavesNothingBehind) {
   HostAllocator alloc;
   WeightStore store(&alloc, 1 << 20, std::nullopt);
