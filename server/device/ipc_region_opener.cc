@@ -10,8 +10,8 @@ namespace cache_dit_opd::cuda {
 
 Status IpcRegionOpener::Open(std::string_view handle, void** base, uint64_t* size) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
-    return Status::InvalidArgument("ipc_handle is ", handle.size(), " bytes, expected ",
-                                   sizeof(cudaIpcMemHandle_t));
+    return Status::Rejected(Reason::kBadArgument, "ipc_handle is ", handle.size(), " bytes, expected ",
+                            sizeof(cudaIpcMemHandle_t));
   }
   Status s;
   const DriverApi* api = GetDriverApi(&s);
@@ -31,7 +31,7 @@ Status IpcRegionOpener::Open(std::string_view handle, void** base, uint64_t* siz
   cudaError_t err = cudaSetDevice(device_);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return Status::Internal("cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
+    return Status::Rejected(Reason::kInternal, "cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
   }
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
@@ -39,8 +39,8 @@ Status IpcRegionOpener::Open(std::string_view handle, void** base, uint64_t* siz
   err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return Status::InvalidArgument(
-        "cudaIpcOpenMemHandle: ", RuntimeErrorString(err),
+    return Status::Rejected(
+        Reason::kBadArgument, "cudaIpcOpenMemHandle: ", RuntimeErrorString(err),
         " (the handle must come from cuIpcGetMemHandle on a cudaMalloc'd allocation of a live "
         "process; VMM memory such as expandable_segments cannot be shared this way)");
   }
@@ -60,24 +60,23 @@ Status IpcRegionOpener::Open(std::string_view handle, void** base, uint64_t* siz
   err = cudaPointerGetAttributes(&attr, p);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return Status::Internal("cudaPointerGetAttributes: ", RuntimeErrorString(err));
+    return Status::Rejected(Reason::kInternal, "cudaPointerGetAttributes: ", RuntimeErrorString(err));
   }
   if (attr.device != device_) {
-    return Status::InvalidArgument("ipc_handle names memory on CUDA device ", attr.device,
-                                   " of the daemon's process; this daemon serves device ", device_,
-                                   " only");
+    return Status::Rejected(Reason::kBadArgument, "ipc_handle names memory on CUDA device ", attr.device,
+                            " of the daemon's process; this daemon serves device ", device_, " only");
   }
   CUdeviceptr range_base = 0;
   size_t range_size = 0;
   CUresult r = api->mem_get_address_range(&range_base, &range_size, reinterpret_cast<CUdeviceptr>(p));
   if (r != CUDA_SUCCESS) {
-    return Status::Internal("cuMemGetAddressRange: ", DriverErrorString(r));
+    return Status::Rejected(Reason::kInternal, "cuMemGetAddressRange: ", DriverErrorString(r));
   }
   if (reinterpret_cast<void*>(range_base) != p) {
     // The handle maps a whole allocation at its base; anything else means
     // our offsets would be wrong.
-    return Status::Internal("cuMemGetAddressRange: mapping at ", p, " starts inside an allocation at ",
-                            reinterpret_cast<void*>(range_base));
+    return Status::Rejected(Reason::kInternal, "cuMemGetAddressRange: mapping at ", p,
+                            " starts inside an allocation at ", reinterpret_cast<void*>(range_base));
   }
   keep = true;
   by_handle_[key] = Mapping{p, range_size, 1};
@@ -121,7 +120,8 @@ Status IpcRegionOpener::OpenChunks(std::span<const int> fds, std::span<const uin
   const DriverApi* api = GetDriverApi(&s);
   if (api == nullptr) return s;
   if (fds.empty() || fds.size() != chunk_bytes.size()) {
-    return Status::Internal("OpenChunks: ", fds.size(), " descriptors for ", chunk_bytes.size(), " chunk sizes");
+    return Status::Rejected(Reason::kInternal, "OpenChunks: ", fds.size(), " descriptors for ", chunk_bytes.size(),
+                            " chunk sizes");
   }
   uint64_t total = 0;
   for (const uint64_t n : chunk_bytes) {
@@ -131,7 +131,7 @@ Status IpcRegionOpener::OpenChunks(std::span<const int> fds, std::span<const uin
   }
   if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
     cudaGetLastError();
-    return Status::Internal("cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
+    return Status::Rejected(Reason::kInternal, "cudaSetDevice(", device_, "): ", RuntimeErrorString(err));
   }
   // Every step is undone when a later one fails.
   struct Undo {

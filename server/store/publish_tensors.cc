@@ -30,6 +30,7 @@ Status Source(const NamedTensor& t, RegionRegistry& regions, std::deque<RegionRe
     return bad("the tensor must be contiguous, but dim ", i, " has stride ", v.strides[i], " where ", expected,
                " is needed");
   }
+  if (v.region_id == kNoRegion) return bad("region ", kNoRegion, " holds no memory, only tensors with no element");
   MappedRegion region;
   RegionRegistry::Pin pin;
   if (Status s = regions.PinForCopy(v.region_id, &region, &pin); !s.ok()) {

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import grpc
 import pytest
 import safetensors.torch as st
 import torch
@@ -375,6 +376,17 @@ def test_publish_copies_the_sessions_tensors_from_the_regions_they_name(daemon):
             store.publish({"t": fx.DeviceTensor(base, (8, 4), torch.float32, strides=(1, 8))}, prefix="up/", session=s)
         with pytest.raises(FileExistsError, match="store entry 'up/a' exists"):
             store.publish({"a": a}, prefix="up/", session=s)
+        # Region 0 names no memory: a tensor with elements there is a bad argument, not an unknown region (which
+        # would have the client register its memory again).
+        pb = s._pb
+        ref = pb.TensorRef(region_id=0, sizes=[4], strides=[1], dtype=_wire.DTYPE_IDS["float32"])
+        with pytest.raises(grpc.RpcError) as e:
+            s._stub.PublishTensors(pb.PublishTensorsRequest(session_id=s.reply.session_id, token=s.reply.token,
+                                                            tensors=[pb.NamedTensor(name="up/z", tensor=ref)]),
+                                   timeout=10)
+        err = _errors.from_grpc(e.value)
+        assert _errors.reason_name(err.reason) == "BAD_ARGUMENT", err
+        assert "publish 'up/z': region 0 holds no memory" in err.message, err.message
         assert [e.name for e in store.list_entries("up/", session=s)] == ["up/a", "up/b"]
     finally:
         s.close()

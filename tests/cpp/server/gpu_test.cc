@@ -202,6 +202,7 @@ TEST(GpuRegionTest, RealHandleFromAnotherProcess) {
   // Garbage handle: the driver refuses; the daemon says so and keeps going.
   s = reg.Register(std::string(64, '\x11'), 0, &r3);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.reason(), Reason::kBadArgument);
   EXPECT_NE(s.message().find("cudaIpcOpenMemHandle"), std::string::npos) << s.message();
 }
 
