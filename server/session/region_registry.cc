@@ -162,22 +162,32 @@ Status RegionRegistry::RegisterLent(const std::string& key, void* base, uint64_t
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return Status::Rejected(Reason::kSessionEnded, "session is closed");
-    auto keep = [&](Region& r) {
-      for (auto& k : keepalive) {
-        if (std::find(r.keepalive.begin(), r.keepalive.end(), k) == r.keepalive.end()) r.keepalive.push_back(std::move(k));
+    // A region known already maps its memory at its base. What a caller
+    // mapped for it again (two requests for the same chunks raced, or one
+    // came for a region waiting for release) is a second mapping nothing
+    // uses: it is not kept, so it goes when this returns instead of staying,
+    // uncounted, until the region goes. A store block's keep-alives are
+    // references to what the region already lends: kept once each.
+    auto keep = [&](Region& r, bool known) {
+      if (!(known && how.counts_bytes)) {
+        for (auto& k : keepalive) {
+          if (std::find(r.keepalive.begin(), r.keepalive.end(), k) == r.keepalive.end()) {
+            r.keepalive.push_back(std::move(k));
+          }
+        }
       }
       r.lru_tick = ++tick_;
       *out = Registered{r.id, r.size, true};
     };
     if (auto it = id_by_handle_.find(key); it != id_by_handle_.end()) {
-      keep(active_.at(it->second));
+      keep(active_.at(it->second), true);
       return Status::Ok();
     }
     for (auto it = pending_.begin(); it != pending_.end(); ++it) {  // unregistered, not released yet: revive
       if (it->handle != key) continue;
       Region r = std::move(*it);
       pending_.erase(it);
-      keep(r);
+      keep(r, true);
       id_by_handle_[key] = r.id;
       active_.emplace(r.id, std::move(r));
       return Status::Ok();
@@ -191,7 +201,7 @@ Status RegionRegistry::RegisterLent(const std::string& key, void* base, uint64_t
     r.lent = true;
     r.how = how;
     r.last_use.assign(lanes_, 0);
-    keep(r);
+    keep(r, false);
     mapped_bytes_ += r.mapped_bytes();
     id_by_handle_[key] = r.id;
     *out = Registered{r.id, size, false};

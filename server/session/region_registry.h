@@ -97,8 +97,10 @@ class RegionRegistry final : public RegionResolver {
   //
   // Registers [base, base + size) as a region under `key` (never 64 bytes
   // long, so never an IPC handle's), holding `keepalive`. A key registered
-  // already returns its id (reused = true), keeping each of `keepalive` it
-  // does not hold yet. RESOURCE_EXHAUSTED when the session holds max_regions
+  // already (or waiting for release: revived) returns its id (reused =
+  // true), keeping each of `keepalive` it does not hold yet, except for a
+  // region that counts bytes: `keepalive` is then a second mapping of the
+  // same memory, released when this returns. RESOURCE_EXHAUSTED when the session holds max_regions
   // (or, counting bytes, max_bytes) and nothing idle can be evicted.
   struct Lent {
     bool read_only = true;      // daemon memory (a store block): no op may write it

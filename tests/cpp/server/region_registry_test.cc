@@ -312,6 +312,38 @@ TEST_F(RegionRegistryTest, AWritableLentRegionCountsItsBytesAndIsEvictedForThem)
   EXPECT_FALSE(reg->FindLent("chunks:1", &id));
 }
 
+// The same chunks mapped again (two requests raced, or one came for a region
+// waiting for release) are not kept beside the region's own mapping: each
+// round would otherwise leave one more mapping alive, uncounted.
+TEST_F(RegionRegistryTest, ASecondMappingOfAKnownRunIsNotKept) {
+  auto reg = Make(RegionLimits{16, 3u << 20});
+  int alive = 0;
+  char run[64];
+  const RegionRegistry::Lent chunks{.read_only = false, .counts_bytes = true};
+  RegionRegistry::Registered a, b;
+  ASSERT_TRUE(reg->RegisterLent("chunks:1", run, 2u << 20, chunks, {Tracked(&alive)}, &a).ok());
+  ASSERT_TRUE(reg->RegisterLent("chunks:1", run + 8, 2u << 20, chunks, {Tracked(&alive)}, &b).ok());
+  EXPECT_TRUE(b.reused);
+  EXPECT_EQ(b.region_id, a.region_id);
+  EXPECT_EQ(alive, 1);  // the second mapping went
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(a.region_id, 0, 3, &m).ok());  // in use up to lane 0's seq 3
+  EXPECT_EQ(m.base, run);
+  bool deferred = false;
+  ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+  EXPECT_TRUE(deferred);
+  for (int round = 0; round < 3; ++round) {  // revived while waiting for release, mapped again each time
+    ASSERT_TRUE(reg->RegisterLent("chunks:1", run + 16, 2u << 20, chunks, {Tracked(&alive)}, &b).ok());
+    EXPECT_EQ(b.region_id, a.region_id);
+    EXPECT_EQ(alive, 1);
+    ASSERT_TRUE(reg->Unregister(a.region_id, &deferred).ok());
+  }
+  EXPECT_EQ(reg->counts().mapped_bytes, 2u << 20);
+  completed_[0] = 3;
+  EXPECT_EQ(reg->ReleaseCompleted(), 0u);
+  EXPECT_EQ(alive, 0);
+}
+
 TEST_F(RegionRegistryTest, APinnedRegionIsReleasedOnlyAfterItsPinGoes) {
   auto reg = Make({});
   RegionRegistry::Registered a;
