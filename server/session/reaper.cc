@@ -52,7 +52,12 @@ void Reaper::Retire(std::shared_ptr<Session> session, std::function<void()> on_d
 void Reaper::Watch(std::shared_ptr<Session> session) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    watched_.push_back(session);
+    // Once per session: a client unregistering in a loop must not grow the
+    // list (nor the sweeps that walk it).
+    const bool watched = std::any_of(watched_.begin(), watched_.end(), [&](const std::weak_ptr<Session>& w) {
+      return !w.owner_before(session) && !session.owner_before(w);
+    });
+    if (!watched) watched_.push_back(session);
   }
   cv_.notify_one();
 }
@@ -84,6 +89,11 @@ void Reaper::Abandon() {
 size_t Reaper::retiring() const {
   std::lock_guard<std::mutex> lock(mu_);
   return retiring_.size();
+}
+
+size_t Reaper::watched() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return watched_.size();
 }
 
 void Reaper::Sweep() {

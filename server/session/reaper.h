@@ -52,6 +52,8 @@ class Reaper {
   void Abandon();
 
   size_t retiring() const;
+  // Sessions watched now (each once, however often Watch was called).
+  size_t watched() const;
 
  private:
   void Loop();

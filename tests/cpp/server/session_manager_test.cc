@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/session/reaper.h"
 #include "server/session/session_channel.h"
 #include "test_util.h"
 #include "tests/fake_daemon/fakes.h"
@@ -228,6 +229,25 @@ TEST_F(SessionManagerTest, AllowedGidAdmitsForeignUid) {
   EXPECT_EQ(s->command(), ReadCommandName(getpid()));
   close(memfd);
   close(fd);
+}
+
+// A client unregistering regions in a loop asks the reaper to watch its
+// session each time: the session is watched once.
+TEST(ReaperTest, ASessionIsWatchedOnceHoweverOftenItAsks) {
+  FakeDeviceOps device;
+  FakeRegionOpener opener;
+  SessionConfig c;
+  c.lanes = 1;
+  c.client_pid = 1;
+  std::shared_ptr<Session> s, t;
+  c.id = 1;
+  ASSERT_TRUE(Session::Create(c, &device, &opener, &s).ok());
+  c.id = 2;
+  ASSERT_TRUE(Session::Create(c, &device, &opener, &t).ok());
+  Reaper reaper(std::chrono::milliseconds(1000));  // not started: nothing sweeps the list
+  for (int i = 0; i < 100; ++i) reaper.Watch(s);
+  reaper.Watch(t);
+  EXPECT_EQ(reaper.watched(), 2u);
 }
 
 TEST(PeerPolicyTest, CommandLineAndName) {
