@@ -76,6 +76,9 @@ void check_qkv_permute_quant(const at::Tensor& x, const at::Tensor* out) {
   checks::check_dtype(op, "x", x, at::kBFloat16);
   TORCH_CHECK_VALUE(x.sym_size(4) >= 1, op, ": head dim D must be >= 1, got shape ",
                     shape_str(x.sym_sizes()));
+  // The row map keeps B, S and N as 32-bit divisors (fp8_comm.cu QkvSendRows).
+  TORCH_CHECK_VALUE(x.sym_size(0) <= kMaxQkvDim && x.sym_size(1) <= kMaxQkvDim && x.sym_size(3) <= kMaxQkvDim,
+                    op, ": B, S and N must each be at most ", kMaxQkvDim, ", got shape ", shape_str(x.sym_sizes()));
   // Each [N, D] block is read as N * D consecutive values; B, S and P may be
   // strided (a reshape of [B, S, H, D] slices, or a transposed B/S view).
   TORCH_CHECK_VALUE((x.sym_size(4) == 1 || x.sym_stride(4) == 1) &&
@@ -94,6 +97,11 @@ void check_qkv_permute_dequant(const at::Tensor& quant_x, const at::Tensor* out)
   checks::check_dtype(op, "quant_x", quant_x, at::kFloat8_e4m3fn);
   TORCH_CHECK_VALUE(quant_x.sym_size(3) >= 1 + kQkvScaleBytes, op,
                     ": the last dim must be D + 4 with D >= 1, got shape ",
+                    shape_str(quant_x.sym_sizes()));
+  // The row map keeps S, B and N as 32-bit divisors (fp8_comm.cu QkvRecvRows).
+  TORCH_CHECK_VALUE(quant_x.sym_size(0) <= kMaxQkvDim && quant_x.sym_size(1) <= kMaxQkvDim &&
+                        quant_x.sym_size(2) <= kMaxQkvDim,
+                    op, ": S, B and N must each be at most ", kMaxQkvDim, ", got shape ",
                     shape_str(quant_x.sym_sizes()));
   checks::check_contiguous(op, "quant_x", quant_x);
   if (out) {

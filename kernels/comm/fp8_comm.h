@@ -27,6 +27,8 @@ namespace cache_dit::comm {
 
 inline constexpr int64_t kPerTokenScaleBytes = 2;
 inline constexpr int64_t kQkvScaleBytes = 4;
+// The QKV ops' B, S and N (their row maps divide by them in 32 bits).
+inline constexpr int64_t kMaxQkvDim = 2147483647;
 
 void check_per_token_quant(const at::Tensor& x, const at::Tensor* out);
 void check_per_token_dequant(const at::Tensor& x, const at::Tensor* out);

@@ -30,6 +30,7 @@ _SCHEMAS = _schemas.SCHEMAS[_FAMILY]  # generated from kernels/ops.def
 _FP8 = torch.float8_e4m3fn
 _PER_TOKEN_SCALE_BYTES = 2  # bf16 scale after each row
 _QKV_SCALE_BYTES = 4  # fp32 scale after each [D] vector
+_MAX_QKV_DIM = 2**31 - 1  # kMaxQkvDim: B, S and N of the QKV ops
 
 
 # -- daemon connection -------------------------------------------------------------------
@@ -92,6 +93,9 @@ def _qkv_permute_quant_meta(x, out=None):
     b, s, p, n, d = x.shape
     if d < 1:
         raise ValueError(f"{op}: head dim D must be >= 1, got shape {_checks.shape_str(x.shape)}")
+    if max(b, s, n) > _MAX_QKV_DIM:
+        raise ValueError(f"{op}: B, S and N must each be at most {_MAX_QKV_DIM}, got shape "
+                         f"{_checks.shape_str(x.shape)}")
     if not ((d == 1 or x.stride(4) == 1) and (n == 1 or x.stride(3) == d)):
         raise ValueError(f"{op}: each [N, D] block of x must be contiguous (strides [.., .., .., D, 1]), got shape "
                          f"{_checks.shape_str(x.shape)} with strides {_checks.shape_str(x.stride())}")
@@ -110,6 +114,9 @@ def _qkv_permute_dequant_meta(quant_x, out=None):
     s, b, n, d4 = quant_x.shape
     if d4 < 1 + _QKV_SCALE_BYTES:
         raise ValueError(f"{op}: the last dim must be D + 4 with D >= 1, got shape "
+                         f"{_checks.shape_str(quant_x.shape)}")
+    if max(s, b, n) > _MAX_QKV_DIM:
+        raise ValueError(f"{op}: S, B and N must each be at most {_MAX_QKV_DIM}, got shape "
                          f"{_checks.shape_str(quant_x.shape)}")
     _checks.check_contiguous(op, "quant_x", quant_x)
     shape = (b, s, n, d4 - _QKV_SCALE_BYTES)

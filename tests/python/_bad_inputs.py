@@ -99,10 +99,13 @@ CASES = [
     ("qkvq-block", "fp8_comm_qkv_permute_quant", lambda: ((m(2, 3, 4, 16, 8).transpose(3, 4),), {}),
      "[1536, 512, 128, 1, 8]"),
     ("qkvq-d", "fp8_comm_qkv_permute_quant", lambda: ((m(2, 3, 4, 8, 0),), {}), "[2, 3, 4, 8, 0]"),
+    # B, S, N past 2^31 - 1 (meta tensors: no memory): the row map's 32-bit divisors would wrap.
+    ("qkvq-huge", "fp8_comm_qkv_permute_quant", lambda: ((m(1, 1, 1, 2**32 + 1, 1),), {}), "at most 2147483647"),
     ("qkvq-out-shape", "fp8_comm_qkv_permute_quant.out",
      lambda: ((m(2, 3, 4, 5, 8),), {"out": m(4, 3, 2, 5, 8, dtype=FP8)}), "[4, 3, 2, 5, 8]"),
     ("qkvd-rank", "fp8_comm_qkv_permute_dequant", lambda: ((m(3, 2, 4, 8, 12, dtype=FP8),), {}), "[3, 2, 4, 8, 12]"),
     ("qkvd-d", "fp8_comm_qkv_permute_dequant", lambda: ((m(3, 2, 4, 4, dtype=FP8),), {}), "[3, 2, 4, 4]"),
+    ("qkvd-huge", "fp8_comm_qkv_permute_dequant", lambda: ((m(1, 2**32, 1, 5, dtype=FP8),), {}), "at most 2147483647"),
     ("qkvd-dtype", "fp8_comm_qkv_permute_dequant", lambda: ((m(3, 2, 4, 12),), {}), "torch.bfloat16"),
     ("qkvd-strides", "fp8_comm_qkv_permute_dequant", lambda: ((m(2, 3, 4, 12, dtype=FP8).transpose(0, 1),), {}),
      "[48, 144, 12, 1]"),
