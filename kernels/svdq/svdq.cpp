@@ -46,6 +46,12 @@ void check_multiple(const char* op, const char* what, const c10::SymInt& v, int6
                     shape_str(t.sym_sizes()), ")");
 }
 
+// M_pad within the grids' reach (kMaxRows).
+void check_rows(const char* op, const c10::SymInt& m_pad, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(m_pad <= kMaxRows, op, ": M_pad (rows after padding) must be at most ", kMaxRows, ", got ", m_pad,
+                    " (shape ", shape_str(t.sym_sizes()), ")");
+}
+
 // A 1-D packed per-channel vector of `n` entries in the model dtype.
 void check_vector(const char* op, const char* name, const at::Tensor& v, const c10::SymInt& n, at::ScalarType dtype,
                   const at::Tensor& ref, const char* ref_name) {
@@ -105,9 +111,12 @@ void check_quantize_act(const at::Tensor& input, const std::optional<at::Tensor>
   checks::check_dtype_in(op, "input", input, {at::kHalf, at::kBFloat16});
   check_dense(op, "input", input);
   check_multiple(op, "K (input.shape[1])", input.sym_size(1), kKAlign, input);
-  TORCH_CHECK_VALUE(pad_size >= 1, op, ": pad_size must be >= 1, got ", pad_size);
+  TORCH_CHECK_VALUE(pad_size >= 1 && pad_size <= kMaxRows, op, ": pad_size must be in [1, ", kMaxRows, "], got ",
+                    pad_size);
   const at::ScalarType dtype = input.scalar_type();
   const c10::SymInt k = input.sym_size(1);
+  TORCH_CHECK_VALUE(k <= kMaxK, op, ": K (input.shape[1]) must be at most ", kMaxK, ", got ", k);
+  check_rows(op, act_quant_shapes(input, lora_down, pad_size).output[0], input);
   if (lora_down) {
     check_lowrank(op, "lora_down", "[K, R] (packed proj_down)", "K", *lora_down, k, dtype);
     checks::check_same_device(op, input, "input", {{"lora_down", &*lora_down}});
@@ -144,6 +153,7 @@ void check_gemm(const at::Tensor& act, const at::Tensor& wgt, const at::Tensor& 
   const c10::SymInt m_pad = act.sym_size(0);
   const c10::SymInt k = act.sym_size(1);
   const c10::SymInt n = wgt.sym_size(0);
+  check_rows(op, m_pad, act);
   TORCH_CHECK_VALUE(wgt.sym_size(1) * 2 == k, op, ": wgt must be [N, K/2] with K = ", k,
                     " as in act, got wgt shape ", shape_str(wgt.sym_sizes()), " and act shape ",
                     shape_str(act.sym_sizes()));

@@ -67,6 +67,10 @@ constexpr int kQuantBlocks = 2;  // resident per SM (128 registers)
 constexpr int kQuantStages = 4;  // x tiles per warp (2 KB each)
 constexpr int kDownTiles = 4;  // rank tiles of 16 one launch accumulates in registers
 constexpr int64_t kMaxSplitGroups = 128;  // 32 KB of 1 / smooth_factor per block
+constexpr int64_t kMaxGridY = 65535;
+// check_quantize_act's K bound leaves the first candidate (kMaxSplitGroups
+// groups a split) within the grid.
+static_assert(kMaxK / kGroup <= kMaxGridY * kMaxSplitGroups);
 constexpr size_t kQuantTileBytes = 16 * 128;
 constexpr size_t kQuantRingBytes = size_t{kQuantStages} * kQuantWarps * kQuantTileBytes;  // 64 KB
 
@@ -471,6 +475,7 @@ int64_t quant_groups_per_split(int64_t groups, int64_t m_pad, int64_t rank, int6
   double best_cost = -1;
   for (int64_t next = std::min(groups, kMaxSplitGroups); next >= 1;) {
     const int64_t splits = cuda::ceil_div(groups, next), per = cuda::ceil_div(groups, splits);
+    if (splits > kMaxGridY) break;  // fewer groups per split only makes more
     const int64_t busiest = cuda::ceil_div(row_blocks * splits, sms);  // blocks on the busiest SM
     const double waves = static_cast<double>(busiest / kQuantBlocks) + (busiest % kQuantBlocks != 0 ? 0.64 : 0.0);
     const double partial_mb = splits > 1 && rank > 0 ? 2e-6 * splits * m_pad * rank * sizeof(float) : 0.0;
@@ -540,7 +545,7 @@ void gemm_launcher(const at::Tensor& act, const at::Tensor& wgt, const at::Tenso
              out_dtype_id, &out);
   const int64_t m_pad = act.size(0), k = act.size(1), n = wgt.size(0);
   const int64_t rank = lora_up ? lora_up->size(1) : 0;
-  if (m_pad == 0) return;
+  if (m_pad == 0 || n == 0) return;  // nothing to write (and no grid of zero blocks to launch)
   const c10::cuda::CUDAGuard guard(act.device());
   const GemmChoice forced = forced_gemm_path();
   using Path = GemmChoice::Path;

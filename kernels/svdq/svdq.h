@@ -10,7 +10,9 @@
 // Notation: M tokens, K in_features, N out_features, R rank, G = K / 64
 // groups, M_pad = M rounded up to pad_size. Model dtype T: float16 or
 // bfloat16. INT4 only: fp4, fuse_glu and act_unsigned must be false (FP4
-// needs FP4 tensor cores, which sm_90 has not).
+// needs FP4 tensor cores, which sm_90 has not). Grid limits: M_pad and
+// pad_size at most kMaxRows, K at most kMaxK (a launch past them would fail
+// with an invalid configuration instead of naming the value).
 //
 //   svdq_quantize_w4a4_act_fuse_lora
 //     input [M, K] T contiguous, K % 128 == 0
@@ -59,6 +61,11 @@ inline constexpr int64_t kBlockN = 128;
 inline constexpr int64_t kKAlign = 128;
 inline constexpr int64_t kRankAlign = 16;
 inline constexpr int64_t kTensorAlign = 16;  // bytes
+// The portable GEMM's grid has one block row per 16 rows, at most 65535.
+inline constexpr int64_t kMaxRows = 65535 * 16;
+// The activation quantizer splits K over at most 65535 block columns of at
+// most 128 groups each (svdq.cu kMaxSplitGroups).
+inline constexpr int64_t kMaxK = 65535LL * 128 * kGroup;
 inline constexpr at::ScalarType kActDtype = at::kFloat8_e4m3fn;  // act: e4m3 codes of INT4 values
 
 struct ActQuantOutputs {

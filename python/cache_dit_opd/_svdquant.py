@@ -27,6 +27,7 @@ __all__ = [
 _FAMILY = "svdq"
 _SCHEMAS = _schemas.SCHEMAS[_FAMILY]  # generated from kernels/ops.def
 _GROUP, _BLOCK_N, _K_ALIGN, _RANK_ALIGN = 64, 128, 128, 16
+_MAX_ROWS, _MAX_K = 65535 * 16, 65535 * 128 * _GROUP  # kMaxRows, kMaxK (kernels/svdq/svdq.h)
 _HALVES = (torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # out_dtype_id 0, 1, 2
 
@@ -88,6 +89,12 @@ def _check_lowrank(op, name, layout, dim, t, channels, dtype):
     _checks.check_contiguous(op, name, t)
 
 
+def _check_rows(op, m_pad, t):
+    if m_pad > _MAX_ROWS:
+        raise ValueError(f"{op}: M_pad (rows after padding) must be at most {_MAX_ROWS}, got {m_pad} "
+                         f"(shape {_checks.shape_str(t.shape)})")
+
+
 def _padded_rows(m, pad_size):
     return (m + pad_size - 1) // pad_size * pad_size
 
@@ -101,9 +108,12 @@ def _act_meta(input, lora_down, smooth, fuse_glu, fp4, pad_size, outs=None):
     _checks.check_dtype_in(op, "input", input, _HALVES)
     _checks.check_contiguous(op, "input", input)
     _check_multiple(op, "K (input.shape[1])", input.shape[1], _K_ALIGN, input)
-    if pad_size < 1:
-        raise ValueError(f"{op}: pad_size must be >= 1, got {pad_size}")
+    if not 1 <= pad_size <= _MAX_ROWS:
+        raise ValueError(f"{op}: pad_size must be in [1, {_MAX_ROWS}], got {pad_size}")
     dtype, k, rank = input.dtype, input.shape[1], 0
+    if k > _MAX_K:
+        raise ValueError(f"{op}: K (input.shape[1]) must be at most {_MAX_K}, got {k}")
+    _check_rows(op, _padded_rows(input.shape[0], pad_size), input)
     if lora_down is not None:
         _check_lowrank(op, "lora_down", "[K, R] (packed proj_down)", "K", lora_down, k, dtype)
         _checks.check_same_device(op, input, "input", [("lora_down", lora_down)])
@@ -137,6 +147,7 @@ def _gemm_meta(act, wgt, ascales, wscales, lora_act_in, lora_up, bias, fp4, alph
     _checks.check_dtype(op, "wgt", wgt, torch.int8)
     _checks.check_contiguous(op, "wgt", wgt)
     m_pad, k, n = act.shape[0], act.shape[1], wgt.shape[0]
+    _check_rows(op, m_pad, act)
     if wgt.shape[1] * 2 != k:
         raise ValueError(f"{op}: wgt must be [N, K/2] with K = {k} as in act, got wgt shape "
                          f"{_checks.shape_str(wgt.shape)} and act shape {_checks.shape_str(act.shape)}")
