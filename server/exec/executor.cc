@@ -418,10 +418,14 @@ bool Executor::RunReady() {
       // Read after `ready`: DropSession raises inputs_ready only after the
       // session was closed, so a raised value is never taken for real inputs.
       if (session.state() == SessionState::kClosed) break;
-      const bool wait_on_gpu = !item.req.host_ordered && ready < item.req.seq;
-      // At most max_calls_ahead calls behind the wait (a full stream queue
-      // would block this thread's launches for every session).
-      if (wait_on_gpu && item.req.seq - ready > static_cast<uint64_t>(options_.max_calls_ahead)) break;
+      // Ready as the GPU's wait would judge it: a client value 2^63 or more
+      // ahead passes no wait, so it is no reason to launch without one.
+      const bool wait_on_gpu = !item.req.host_ordered && !SessionMemory::Reached(ready, item.req.seq);
+      // At most max_calls_ahead calls on the lane stream beyond what it has
+      // completed, by the daemon's own record (a full stream queue would
+      // block this thread's launches for every session, and no value the
+      // client writes may lift the bound).
+      if (item.req.seq > lane.Completed() + static_cast<uint64_t>(options_.max_calls_ahead)) break;
       if (wait_on_gpu && !Park(q, item.req.seq)) break;
       const Clock::time_point run_start = Clock::now();
       bool sticky = false;
@@ -462,7 +466,10 @@ bool Executor::Park(LaneQueue& q, uint64_t seq) {
     const Clock::time_point now = Clock::now();
     auto victim = parked_.end();
     for (auto it = parked_.begin(); it != parked_.end(); ++it) {
-      if (now - it->second.moved >= options_.park_deadline &&
+      // Stalled: its client's inputs are behind the parked seq and its
+      // stream has finished nothing for the deadline (a lane whose inputs
+      // arrived is busy on the GPU, not stalled).
+      if (!SessionMemory::Reached(it->second.seen, it->second.seq) && now - it->second.moved >= options_.park_deadline &&
           (victim == parked_.end() || it->second.moved < victim->second.moved)) {
         victim = it;
       }
@@ -480,7 +487,7 @@ bool Executor::Park(LaneQueue& q, uint64_t seq) {
     if (options_.on_stalled) options_.on_stalled(stalled.session, why);
   }
   const uint64_t seen = q.session->memory().InputsReady(q.lane->index);
-  parked_.emplace(q.lane, Parked{q.session, q.lane, seq, seen, Clock::now()});
+  parked_.emplace(q.lane, Parked{q.session, q.lane, seq, seen, q.lane->Completed(), Clock::now()});
   parked_count_.store(parked_.size(), std::memory_order_release);
   return true;
 }
@@ -489,13 +496,20 @@ void Executor::ReapParked() {
   const Clock::time_point now = Clock::now();
   for (auto it = parked_.begin(); it != parked_.end();) {
     Parked& p = it->second;
-    const uint64_t ready = p.session->memory().InputsReady(p.lane->index);
-    if (ready >= p.seq) {
+    // Free once the stream finished the parked seq, by the daemon's own
+    // record: then no wait of the lane is pending on the GPU. What the client
+    // writes cannot free it early (a value it lowers again, or one the GPU's
+    // cyclic compare reads as behind, would leave a wait parked uncounted).
+    const uint64_t completed = p.lane->Completed();
+    if (completed >= p.seq) {
       it = parked_.erase(it);
       continue;
     }
-    if (ready != p.seen) {
-      p.seen = ready;
+    p.seen = p.session->memory().InputsReady(p.lane->index);
+    // Progress is what the stream finished: a client that only moves its
+    // inputs_ready back and forth makes none.
+    if (completed != p.completed) {
+      p.completed = completed;
       p.moved = now;
     }
     ++it;

@@ -14,12 +14,14 @@
 //     anything else is INVALID_ARGUMENT naming the expected and the received
 //     seq, completed at once, with no "done" write (done stays monotone).
 //   - Launch ahead, bounded: a call whose inputs are not ready yet (the
-//     lane's inputs_ready < n, read on the host) is enqueued at once behind a
-//     GPU wait "inputs_ready >= n" on its lane stream, if its lane holds one
-//     of `parking_slots` parking slots (it keeps it while any such wait may
-//     still be pending; later calls of the lane need no other). Without a
-//     slot the call waits in its queue until the host sees inputs_ready >= n,
-//     and nothing of it is on the GPU. The bound is what keeps a client from
+//     lane's inputs_ready, read on the host, does not pass "inputs_ready >=
+//     n" by the GPU's cyclic compare: SessionMemory::Reached) is enqueued at
+//     once behind a GPU wait "inputs_ready >= n" on its lane stream, if its
+//     lane holds one of `parking_slots` parking slots. It keeps the slot until
+//     its stream has completed the parked seq by the daemon's own record
+//     (Lane::Completed), whatever the client writes meanwhile; later calls of
+//     the lane need no other. Without a slot the call waits in its queue
+//     until the host sees its inputs ready, and nothing of it is on the GPU. The bound is what keeps a client from
 //     stalling another: a stream wait that never completes holds up nothing
 //     else while few are parked, but once parked waits approach
 //     CUDA_DEVICE_MAX_CONNECTIONS every stream of the device stalls
@@ -27,8 +29,9 @@
 //     other streams, 31 block 49 of 65; bench/probes/stream_queues.cu). A
 //     call whose inputs the host already sees ready gets no wait.
 //   - Ahead, bounded in depth too: a lane has at most `max_calls_ahead`
-//     calls on the GPU beyond the inputs_ready the host sees; later ones wait
-//     in its queue. A CUDA launch blocks while its stream's command queue is
+//     calls on the GPU beyond what its stream has completed (the daemon's
+//     own record, never a value the client writes); later ones wait in its
+//     queue. A CUDA launch blocks while its stream's command queue is
 //     full, and this thread launches for every session: a client that never
 //     signals must not be able to fill its lane stream. (On the H200, after
 //     a client was killed with 400 calls queued behind its wait, every later
@@ -37,10 +40,14 @@
 //     dead, dropped), DropSession raises its lanes' inputs_ready from the
 //     host, on the thread that ends it (the executor's thread may itself be
 //     blocked in a launch behind the wait), so its calls run (on that
-//     client's own memory) and its lanes drain. A lane whose inputs_ready
-//     has not moved for `park_deadline` loses its slot when another lane
-//     needs one: its wait is released to the parked seq and `on_stalled` is
-//     told (the daemon ends that session with INPUTS_STALLED).
+//     client's own memory) and its lanes drain. A lane whose inputs are
+//     behind its parked seq and whose stream has completed nothing for
+//     `park_deadline` loses its slot when another lane needs one: its wait is
+//     released to the parked seq and `on_stalled` is told (the daemon ends
+//     that session with INPUTS_STALLED). A client that keeps a released wait
+//     from passing (writing its inputs_ready again) keeps that slot taken:
+//     the parked waits stay within the bound, and other lanes wait on the
+//     host instead.
 //   - After the kernel (or, for a call rejected by validation, in its place)
 //     the lane stream writes done = n, then the daemon-private copy (see
 //     server/session/session.h), so "done" reaches every seq in order, and a client
@@ -136,11 +143,12 @@ struct ExecutorOptions {
   // Lanes that may have a GPU wait on their client's inputs_ready parked at
   // once (--parking-slots); 0: every call waits for its inputs on the host.
   int parking_slots = 8;
-  // Calls a lane may have on the GPU beyond the inputs_ready the host sees
+  // Calls a lane may have on the GPU beyond what its stream has completed
   // (each is a wait, its launches and two writes in the stream's queue).
   int max_calls_ahead = 32;
-  // A lane whose inputs_ready has not moved for this long gives up its slot
-  // (and its session) when another lane needs one (--park-deadline-ms).
+  // A lane whose inputs are behind its parked seq and whose stream has
+  // completed nothing for this long gives up its slot (and its session)
+  // when another lane needs one (--park-deadline-ms).
   std::chrono::milliseconds park_deadline{2000};
   // The thread's name (at most 15 characters), as `top -H` shows it.
   std::string thread_name = "opd-executor";
@@ -304,13 +312,15 @@ class Executor {
       if (validated > 0) --validated;
     }
   };
-  // A lane holding a parking slot: a GPU wait up to `seq` may be pending.
+  // A lane holding a parking slot: a GPU wait up to `seq` may be pending
+  // until the lane's stream has completed `seq` (Lane::Completed).
   struct Parked {
     std::shared_ptr<Session> session;
     Lane* lane;
     uint64_t seq;                              // highest seq enqueued behind a wait
-    uint64_t seen;                             // inputs_ready when last looked at
-    std::chrono::steady_clock::time_point moved;  // when `seen` last grew
+    uint64_t seen;                             // the client's inputs_ready when last looked at
+    uint64_t completed;                        // Lane::Completed() when last looked at
+    std::chrono::steady_clock::time_point moved;  // when `completed` last grew (or the slot was taken)
   };
   struct Command {
     std::shared_ptr<Session> session;  // null: every session
@@ -346,7 +356,7 @@ class Executor {
   // already); false when none is free and none can be taken from a stalled
   // lane.
   bool Park(LaneQueue& q, uint64_t seq);
-  // Frees the slots of lanes whose inputs_ready reached their parked seq.
+  // Frees the slots of lanes whose streams completed their parked seq.
   void ReapParked();
   // Raises the parked lanes' inputs_ready (of `session`, or every one for
   // null) and frees their slots.

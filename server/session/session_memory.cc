@@ -90,7 +90,8 @@ uint64_t SessionMemory::InputsReady(uint32_t i) const {
 void SessionMemory::RaiseInputsReady(uint32_t i, uint64_t value) {
   std::atomic_ref<uint64_t> word(lane(i)->inputs_ready);
   uint64_t seen = word.load(std::memory_order_acquire);
-  while (seen < value && !word.compare_exchange_weak(seen, value, std::memory_order_acq_rel)) {
+  while (!(seen >= value && seen <= v1::kInputsReadyReleased) &&
+         !word.compare_exchange_weak(seen, value, std::memory_order_acq_rel)) {
   }
 }
 

@@ -63,13 +63,22 @@ class SessionMemory {
   v1::SessionMemoryHeader* header() const { return static_cast<v1::SessionMemoryHeader*>(data_); }
   v1::LaneSemaphores* lane(uint32_t i) const;
 
+  // What a GPU wait "word >= n" decides (cuStreamWaitValue64 GEQ): the
+  // compare is cyclic, (int64_t)(word - n) >= 0, so a value 2^63 or more
+  // ahead reads as behind. The host judges a client's value by the same rule.
+  static bool Reached(uint64_t word, uint64_t n) { return static_cast<int64_t>(word - n) >= 0; }
+
   // Acquire loads of a lane's semaphores (the client may write them anytime).
   uint64_t InputsReady(uint32_t lane) const;
   uint64_t Done(uint32_t lane) const;
-  // Raises lane `lane`'s inputs_ready to at least `value` from the host:
-  // releases a GPU wait the executor parked on it for a client that died or
-  // stalled (the only memory the released calls then touch is that
-  // client's own).
+  // Raises lane `lane`'s inputs_ready from the host so that every GPU wait
+  // "inputs_ready >= n" for n <= `value` passes: releases a wait the
+  // executor parked on it for a client that died or stalled (the only
+  // memory the released calls then touch is that client's own). The word is
+  // kept only when it already holds a value in [value,
+  // v1::kInputsReadyReleased]; anything else (lower, or a client's value at
+  // or past 2^63 that the GPU's cyclic compare reads as behind) becomes
+  // `value`. `value` <= kInputsReadyReleased.
   void RaiseInputsReady(uint32_t lane, uint64_t value);
   // Increments the header's daemon_heartbeat (release store).
   void Heartbeat();

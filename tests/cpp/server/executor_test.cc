@@ -778,6 +778,71 @@ TEST_F(LaunchAheadTest, AClientThatNeverSignalsCannotFillItsLaneStream) {
   for (int i = 0; i < n; ++i) EXPECT_EQ(seqs[i], uint64_t(i + 1));
 }
 
+// inputs_ready = 2^64 - 1: an unsigned compare on the host reads it as
+// "ready", the GPU's cyclic one passes no wait. Neither the slot nor the
+// depth bound may follow the client's value: the slot stays taken until the
+// stream completes, the bound counts what the stream completed, and the
+// executor keeps serving others (it would block in a launch onto the full
+// stream otherwise). Past the deadline the wait is released to the parked
+// seq, replacing the value, and ending the session drains every call.
+TEST_F(LaunchAheadTest, AValueNoWaitPassesNeitherFreesTheSlotNorLiftsTheBound) {
+  ExecutorOptions o = Options(1, 50ms);
+  Recreate(o);
+  device_.max_queued = 3 * o.max_calls_ahead + 8;
+  auto evil = NewSession(1);
+  auto other = NewSession(1);
+  Results r;
+  executor_->Submit(evil, Req(0, 1), r.Slot(1));
+  ASSERT_TRUE(WaitUntil([&] { return executor_->parked() == 1 && executor_->pending() == 0; }));
+  SetInputsReady(*evil, 0, ~uint64_t{0});
+  const int n = 4 * o.max_calls_ahead;
+  for (int i = 2; i <= n; ++i) executor_->Submit(evil, Req(0, i), r.Slot(i));
+  ASSERT_TRUE(r.Wait(n));
+  ASSERT_TRUE(WaitUntil([&] { return executor_->pending() == size_t(n - o.max_calls_ahead); }));
+  EXPECT_EQ(WaitsOn(evil->lane(0).stream), size_t(o.max_calls_ahead));
+  EXPECT_EQ(executor_->parked(), 1u);
+  EXPECT_EQ(evil->memory().Done(0), 0u);
+  executor_->Submit(other, Req(0, 1), r.Slot(1000));  // needs the slot: evil is stalled past the deadline
+  ASSERT_TRUE(WaitUntil([&] { return !stalled().empty(); }));
+  EXPECT_EQ(stalled()[0].first, evil->id());
+  ASSERT_TRUE(WaitUntil([&] { return evil->memory().Done(0) == uint64_t(o.max_calls_ahead); }));
+  EXPECT_EQ(evil->memory().InputsReady(0), uint64_t(o.max_calls_ahead));  // the released value replaced it
+  SetInputsReady(*other, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return other->memory().Done(0) == 1; }));
+  SetInputsReady(*evil, 0, ~uint64_t{0});  // and again: ending the session replaces it too
+  evil->set_state(SessionState::kClosed);
+  std::promise<void> then;
+  executor_->DropSession(evil, Status::Cancelled("client died"), [&] { then.set_value(); });
+  ASSERT_EQ(then.get_future().wait_for(5s), std::future_status::ready);
+  ASSERT_TRUE(WaitUntil([&] { return evil->Drained() && evil->memory().Done(0) == uint64_t(n); }));
+  EXPECT_EQ(evil->memory().InputsReady(0), v1::kInputsReadyReleased);
+}
+
+// A parked lane's progress is what its stream completes: a client moving its
+// inputs_ready back and forth below the parked calls is stalled all the same.
+TEST_F(LaunchAheadTest, InputsMovingBackAndForthAreNoProgress) {
+  Recreate(Options(1, 50ms));
+  auto a = NewSession(1);
+  auto b = NewSession(1);
+  Results r;
+  for (int i = 1; i <= 3; ++i) executor_->Submit(a, Req(0, i), r.Slot(i));
+  ASSERT_TRUE(WaitUntil([&] { return executor_->parked() == 1 && executor_->pending() == 0; }));
+  std::atomic<bool> stop{false};
+  std::thread toggler([&] {
+    for (uint64_t v = 0; !stop.load(); v ^= 1) {
+      SetInputsReady(*a, 0, v);
+      std::this_thread::sleep_for(300us);
+    }
+  });
+  executor_->Submit(b, Req(0, 1), r.Slot(10));
+  const bool released = WaitUntil([&] { return !stalled().empty(); }, 2000ms);
+  stop = true;
+  toggler.join();
+  ASSERT_TRUE(released);
+  EXPECT_EQ(stalled()[0].first, a->id());
+  ASSERT_TRUE(WaitUntil([&] { return executor_->pending() == 0; }));  // b parked in a's place
+}
+
 // Even a launch blocked on a full queue (the queue shorter than the bound
 // above) does not keep a dead client's waits parked: the thread that ends
 // the session releases them, not the (blocked) executor thread.
