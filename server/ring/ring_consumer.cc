@@ -90,8 +90,17 @@ bool RingConsumer::ArmSleep() {
   // Records that may not be taken yet (the session's held calls are at the
   // bound) are no work: what frees a place is a held call finishing, which
   // the executor sees on its own (its sleep is short while calls wait).
-  return (std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_seq_cst) == head_ || AtHeldBound()) &&
+  return (!Takeable(std::atomic_ref<uint64_t>(ctl->sq_tail).load(std::memory_order_seq_cst)) || AtHeldBound()) &&
          !stop_.load(std::memory_order_seq_cst);
+}
+
+bool RingConsumer::Takeable(uint64_t tail) const {
+  // A tail behind the head or more than a capacity ahead is no work: Poll
+  // takes nothing from it (and counts it toward a violation). Taken for work,
+  // it would keep the polling thread from ever sleeping, and a client that
+  // sets it right now and then, inside the violation's grace, could make the
+  // thread spin for as long as it likes.
+  return tail > head_ && tail - head_ <= session_->memory().ring_capacity();
 }
 
 void RingConsumer::Disarm() {
@@ -127,8 +136,8 @@ bool RingConsumer::AtHeldBound() const {
 }
 
 bool RingConsumer::Pending() const {
-  return (std::atomic_ref<uint64_t>(session_->memory().ring_control()->sq_tail).load(std::memory_order_acquire) !=
-              head_ &&
+  return (Takeable(std::atomic_ref<uint64_t>(session_->memory().ring_control()->sq_tail).load(
+              std::memory_order_acquire)) &&
           !AtHeldBound()) ||
          stop_.load(std::memory_order_acquire);
 }

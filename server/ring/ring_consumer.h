@@ -13,8 +13,9 @@
 //      mid-store, and its thread preempted there), it is a protocol
 //      violation: the violation hook runs once (the daemon ends that
 //      session) and the consumer is finished. No poll waits for it to
-//      settle (one thread polls many rings). The shared sq_head and the
-//      RingControl fields are never read.
+//      settle (one thread polls many rings), and such a tail is no work to
+//      stay awake for (ArmSleep). The shared sq_head and the RingControl
+//      fields are never read.
 //   2. for each ticket t in [head, tail): copy slot t % capacity (kSlotBytes,
 //      the mask is the daemon's own capacity) into private memory ONCE,
 //      store-release sq_head = t + 1, decode only the copy
@@ -159,6 +160,7 @@ class RingConsumer final : public CallSource {
   // A record it may take is there, or a stop was asked.
   bool Pending() const;
   bool AtHeldBound() const;  // the session holds max_held calls: take nothing now
+  bool Takeable(uint64_t tail) const;  // `tail` names records Poll could take
 
   const std::shared_ptr<Session> session_;
   const std::vector<OpInfo>* const catalog_;

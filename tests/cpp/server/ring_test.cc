@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "client/core/ring_producer.h"
+#include "common/futex.h"
 #include "common/ring_decode.h"
 #include "common/ring_encode.h"
 #include "ring_test_util.h"
@@ -1366,6 +1367,42 @@ TEST_F(RingDaemonTest, ClientDeathWithRecordsPendingLeavesTheDaemonHealthy) {
   ASSERT_TRUE(next_client.Wait(0, &c));
   EXPECT_EQ(c.status_code, 0) << c.message;
   ASSERT_TRUE(WaitUntil([&] { return next.done(0) == 1; }));
+}
+
+// A tail more than a capacity ahead is no work: the executor sleeps on it
+// instead of spinning, even while the client sets it right now and then,
+// inside the violation's grace, and rings the doorbell.
+TEST_F(RingDaemonTest, AnImpossibleTailIsNoWorkToSpinOn) {
+  StartDaemon();
+  Bound& b = OpenAndBind();
+  RingClient client(b.memory);
+  std::atomic<bool> stop{false};
+  std::thread odd([&] {
+    std::atomic_ref<uint64_t> tail(client.control()->sq_tail);
+    uint32_t* doorbell = &client.control()->doorbell;
+    auto ring = [&] {
+      std::atomic_ref<uint32_t>(*doorbell).store(v1::kDoorbellAwake);
+      FutexWake(doorbell, 1);
+    };
+    while (!stop.load()) {
+      tail.store(1000 * uint64_t{client.capacity()});  // head 0
+      ring();
+      std::this_thread::sleep_for(12ms);
+      tail.store(0);  // sane again before the 20 ms grace ends
+      std::this_thread::sleep_for(300us);
+      ring();
+      std::this_thread::sleep_for(1ms);
+    }
+  });
+  std::this_thread::sleep_for(100ms);
+  timespec a{}, c{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+  std::this_thread::sleep_for(300ms);
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c);
+  stop.store(true);
+  odd.join();
+  const double cpu_ms = (c.tv_sec - a.tv_sec) * 1e3 + (c.tv_nsec - a.tv_nsec) / 1e6;
+  EXPECT_LT(cpu_ms, 100.0) << "the daemon used " << cpu_ms << " ms of CPU in 300 ms of an impossible tail";
 }
 
 TEST_F(RingDaemonTest, IdleRingSessionsCostNoCpu) {
