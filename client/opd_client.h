@@ -112,7 +112,11 @@ struct ClientOptions {
   std::string client_name = "cache-dit-opd C++ client";  // for the daemon's logs (<= 128 bytes)
   int connect_timeout_ms = 10000;  // connecting, OpenSession and the bind
   int rpc_timeout_ms = 30000;      // control RPCs: regions, stats, close
-  int call_timeout_ms = 0;         // Call RPC deadline; 0 = none
+  // A call's deadline, gRPC or ring (600 s, as the Python client's
+  // CACHE_DIT_OPD_CALL_TIMEOUT_S): a hung daemon ends a call with
+  // DEADLINE_EXCEEDED instead of holding its thread and lane for good.
+  // 0 = none on gRPC (the ring keeps its 600 s).
+  int call_timeout_ms = 600000;
   bool reconnect = true;           // a failed session is replaced by the next call
   // Calls go through the session's shared-memory call ring when the daemon
   // offers one (and CACHE_DIT_OPD_RING is not 0), over gRPC otherwise. Same
@@ -130,7 +134,7 @@ struct ClientOptions {
 struct CallOptions {
   bool signal_inputs_ready = true;
   bool wait_done = true;
-  int timeout_ms = -1;  // Call deadline; -1 = ClientOptions::call_timeout_ms; 0 = none (ring: 600 s)
+  int timeout_ms = -1;  // Call deadline; -1 = ClientOptions::call_timeout_ms; 0 = none on gRPC (ring: 600 s)
 };
 
 // OpEntry: one entry of the daemon's op catalog.

@@ -110,11 +110,10 @@ Status SessionEngine::Create(int device, BoundSession bound, const EngineOptions
   e->lane_ops_ = e->gpu_->LaneOps(e->memory_.get(), dev);
   e->lanes_ = std::make_unique<LaneTable>(e->memory_.get(), e->lane_ops_.get());
 
-  const auto* h = static_cast<const v1::SessionMemoryHeader*>(e->memory_->base());
-  if (h->ring_offset != 0 && h->ring_bytes != 0) {
+  if (e->memory_->ring_bytes() != 0) {
     SessionEngine* self = e.get();
-    OPD_RETURN_IF_ERROR(RingProducer::Open(static_cast<uint8_t*>(e->memory_->base()) + h->ring_offset,
-                                           h->ring_bytes, {options.spin, options.call_timeout},
+    OPD_RETURN_IF_ERROR(RingProducer::Open(static_cast<uint8_t*>(e->memory_->base()) + e->memory_->ring_offset(),
+                                           e->memory_->ring_bytes(), {options.spin, options.call_timeout},
                                            [self] { return self->Liveness(); }, &e->ring_));
   }
   e->allocations_ = e->gpu_->Allocations();

@@ -90,7 +90,13 @@ Status ValidateSessionMemoryHeader(const v1::SessionMemoryHeader& h, uint64_t ma
 }
 
 SessionMapping::SessionMapping(void* base, uint64_t bytes, bool owned, const v1::SessionMemoryHeader& h)
-    : base_(base), bytes_(bytes), owned_(owned), lane_count_(h.lane_count), lanes_offset_(h.lanes_offset) {}
+    : base_(base),
+      bytes_(bytes),
+      owned_(owned),
+      lane_count_(h.lane_count),
+      lanes_offset_(h.lanes_offset),
+      ring_offset_(h.ring_offset),
+      ring_bytes_(h.ring_bytes) {}
 
 SessionMapping::~SessionMapping() {
   if (owned_ && base_ != nullptr) ::munmap(base_, bytes_);

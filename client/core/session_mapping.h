@@ -69,6 +69,10 @@ class SessionMapping {
   v1::LaneSemaphores* lane(uint32_t lane) const;
   // Byte offset of lane `lane` from base() (device addresses are base + this).
   uint64_t lane_offset(uint32_t lane) const { return lanes_offset_ + uint64_t{lane} * sizeof(v1::LaneSemaphores); }
+  // The call ring, as the validated header placed it (0 and 0: no ring).
+  // Never read again from the shared header, which the daemon could rewrite.
+  uint64_t ring_offset() const { return ring_offset_; }
+  uint64_t ring_bytes() const { return ring_bytes_; }
 
   uint64_t daemon_heartbeat() const;
   uint64_t daemon_pid() const;
@@ -87,6 +91,8 @@ class SessionMapping {
   bool owned_;
   uint32_t lane_count_;
   uint64_t lanes_offset_;
+  uint64_t ring_offset_;
+  uint64_t ring_bytes_;
 };
 
 // Host access to a semaphore (64-bit, acquire/release).

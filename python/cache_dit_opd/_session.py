@@ -163,6 +163,7 @@ class Session:
         self._synchronize = synchronize
         self._failure: DaemonError | None = None
         self._failure_lock = threading.Lock()
+        self._ended = False  # fail() has released this side (once, whoever noticed the failure first)
         self._checked: dict[int, Exception | None] = {}
         self._channel = None
         self._chan_sock: socket.socket | None = None
@@ -487,12 +488,22 @@ class Session:
         return True
 
     def fail(self, err: DaemonError) -> None:
-        """Ends the session after an error whose action gives it up (or on close)."""
-        if not self._set_failure(err):
-            return
-        log.debug("cache_dit_opd: session with %s failed: %s", self.target, err)
+        """Ends the session after an error whose action gives it up (or on close), once: reading ``failed``
+        records the engine's failure, and this still releases everything. What the engine holds for the user
+        (calls lost with a dead daemon, rejected asynchronous calls) is kept for take_deferred_errors() and the
+        device's next call, not dropped with the engine."""
+        self._set_failure(err)
+        with self._failure_lock:
+            if self._ended:
+                return
+            self._ended = True
+        log.debug("cache_dit_opd: session with %s failed: %s", self.target, self._failure)
         if self.native is not None:
-            self.native.fail(err)
+            errs, _ = self._engine_errors(wait=False)
+            if errs:
+                with _ended_errors_lock:
+                    _ended_errors.extend((self.pid, self.device_index, e) for e in errs)
+            self.native.fail(self._failure)
             self.native.activate(False)
         self._close_remote()
         if self.regions is not None:
@@ -628,8 +639,15 @@ class Session:
     def async_errors(self, wait: bool = False) -> list[Exception]:
         """What earlier asynchronous calls were rejected with, as the exceptions the calls would have raised;
         ``wait``: first wait for every call in flight. Calls lost with a dead daemon are reported here too."""
-        if self.native is None:
+        if self.native is None or self._ended:
             return []
+        errs, reconnect = self._engine_errors(wait)
+        if reconnect is not None:
+            self.fail(reconnect)
+        return errs
+
+    def _engine_errors(self, wait: bool) -> tuple[list[Exception], DaemonError | None]:
+        """The engine's rejected and lost calls as exceptions, and the first rejection that gives the session up."""
         ops = {i: f"{NAMESPACE}::{n}" + (f".{o}" if o else "") for (n, o), i in self._op_index.items()}
         errs = []
         reconnect = None
@@ -652,9 +670,7 @@ class Session:
                 f"cache_dit_opd: the daemon at {self.target} (cuda:{self.device_index}) died with {lost} call(s) "
                 f"unfinished; their outputs are undefined. The waits of this process's streams were released; "
                 f"the next call opens a new session."))
-        if reconnect is not None:
-            self.fail(reconnect)
-        return errs
+        return errs, reconnect
 
     # -- close --------------------------------------------------------------------------------------
     def _close_remote(self) -> None:
@@ -677,8 +693,10 @@ class Session:
 
     def close(self) -> None:
         """Ends the session: waits for every call in flight, closes it (the daemon completes every lane, then
-        unmaps the regions), then raises what asynchronous calls were rejected with."""
-        if self._failure is not None:
+        unmaps the regions), then raises what asynchronous calls were rejected with. A failed session is only
+        released (its errors wait for take_deferred_errors())."""
+        if self._failure is not None or self.failed is not None:
+            self.fail(self._failure)
             return
         errs = self.async_errors(wait=True)
         self.fail(DaemonError(1, _wire.REASONS["CLOSED"][0], "closed by the client"))
@@ -746,6 +764,9 @@ def run(get_required: Callable[[int], Session], device_index: int, op: str, args
         old = _sessions.get(device_index)
         if old is not None:
             old.fail(err)  # the session that handed the call back; the next one is opened below
+        ended = take_ended_errors(device_index)
+        if ended:  # earlier calls whose outputs were lost or never written: said before anything runs again
+            raise combine_errors(ended)
         if err.action == _errors.FAIL or not budget.reconnect():
             _errors.raise_for(label, err)
     try:
@@ -817,17 +838,37 @@ _live_sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()  # every session 
 _atexit_registered = False
 
 
+# What sessions that ended (failed, replaced, closed after a failure) still owed the user: calls lost with a
+# dead daemon, rejected asynchronous calls, as (pid, device index, exception). Raised by take_deferred_errors()
+# and by the device's next call that finds its session failed; a fork's child does not inherit its parent's.
+_ended_errors: list[tuple[int, int, Exception]] = []
+_ended_errors_lock = threading.Lock()
+
+
+def take_ended_errors(device_index: int | None = None) -> list[Exception]:
+    """Takes this process's errors of ended sessions (of one device, or all)."""
+    pid = os.getpid()
+    with _ended_errors_lock:
+        mine = [e for e in _ended_errors if e[0] == pid and device_index in (None, e[1])]
+        _ended_errors[:] = [e for e in _ended_errors if e not in mine]
+    return [e[2] for e in mine]
+
+
 def take_deferred_errors() -> list[Exception]:
-    """Every error not raised at its call site yet: calls lost with a dead daemon, rejected asynchronous calls.
+    """Every error not raised at its call site yet: calls lost with a dead daemon, rejected asynchronous calls,
+    of open sessions and of sessions that ended since.
 
     Waits for the calls in flight of every open session of this process first.
     """
     errs = []
     pid = os.getpid()
     for s in list(_live_sessions):
-        if s.pid == pid and s.native is not None and s._failure is None:
+        if s.pid == pid and s.native is not None and s.failed is None:
             errs.extend(s.async_errors(wait=True))
-    return errs
+    for s in list(_live_sessions):
+        if s.pid == pid and s.failed is not None:
+            s.fail(s.failed)  # an engine failure nobody acted on yet: release it, keep its errors
+    return errs + take_ended_errors()
 
 
 def _device_index(device) -> int:
@@ -896,6 +937,7 @@ def close_all(raise_errors: bool = False) -> None:
             s.close()
         except Exception as e:
             errors.append(e)
+    errors += take_ended_errors()  # of sessions that failed before: never dropped unsaid
     if errors:
         if raise_errors:
             raise combine_errors(errors)

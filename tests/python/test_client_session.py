@@ -17,6 +17,7 @@ import _client_fixtures as fx
 
 from cache_dit_opd import _attn, _comm, _errors, _session, _wire
 from cache_dit_opd._errors import CatalogSkewError, DaemonUnavailableError
+from test_client_reasons import wait_for
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 MB = 1 << 20
@@ -374,3 +375,48 @@ def test_sigterm_drains_and_the_daemon_exits_cleanly(daemon):
     c.run("fp8_comm_per_token_quant", c.quant())
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(30) == 0
+
+
+class _DeadDaemonsEngine:
+    """In place of the native engine (which runs calls only on a GPU: test_client_gpu's restart test drives the
+    real one): an engine whose daemon died with two calls accepted and unfinished, as its monitor reports it."""
+
+    def __init__(self):
+        self.lost, self.closed, self.failed_with = 2, False, None
+
+    def failure(self):
+        return _errors.DaemonError(14, _wire.REASONS["CLOSED"][0], "the daemon closed the session channel")
+
+    def take_rejected(self, wait=False):
+        return []
+
+    def take_lost(self):
+        n, self.lost = self.lost, 0
+        return n
+
+    def fail(self, err):
+        self.failed_with = err
+
+    def activate(self, on):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_failure_noticed_by_reading_failed_still_releases_the_session_and_keeps_its_lost_calls(daemon):
+    """Reading ``failed`` records the engine's failure; releasing the session afterwards (what get_session and
+    close do) must still close the engine and the daemon's side, and the calls the dead daemon left unfinished
+    must be raised by take_deferred_errors() (once), not dropped with the engine."""
+    c = Client(daemon)
+    engine = c.s.native = _DeadDaemonsEngine()
+    assert c.s.failed is not None  # recorded here...
+    c.s.fail(c.s.failed)  # ...and released here all the same
+    assert engine.closed and engine.failed_with is not None
+    wait_for(lambda: daemon.stats().sessions_closed >= 1)  # CloseSession reached the daemon
+    errs = _session.take_deferred_errors()
+    assert len(errs) == 1 and "died with 2 call(s) unfinished" in str(errs[0]), errs
+    assert _session.take_deferred_errors() == []
+    c.s.fail(c.s.failed)  # once only
+    c.s.close()
+    assert _session.take_deferred_errors() == []

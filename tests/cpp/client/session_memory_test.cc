@@ -112,6 +112,25 @@ TEST(SessionMapping, AcceptsARingInsideTheMapping) {
   EXPECT_TRUE(s.ok()) << s.ToString();
 }
 
+// The ring's place is the validated copy's: a daemon rewriting the shared
+// header after the bind moves nothing the client uses.
+TEST(SessionMapping, KeepsTheRingWhereTheValidatedHeaderPutIt) {
+  const uint64_t total = 4096 * 4;
+  v1::SessionMemoryHeader h = MakeHeader(total, kSession, kLanes);
+  h.ring_offset = 8192;
+  h.ring_bytes = 8192;
+  int fd = MakeMemfd(total, h);
+  ASSERT_GE(fd, 0);
+  std::unique_ptr<SessionMapping> m;
+  ASSERT_TRUE(SessionMapping::Map(fd, {kSession, kLanes, total}, &m).ok());
+  ::close(fd);
+  auto* shared = static_cast<v1::SessionMemoryHeader*>(m->base());
+  shared->ring_offset = uint64_t{1} << 40;
+  shared->ring_bytes = ~uint64_t{0};
+  EXPECT_EQ(m->ring_offset(), 8192u);
+  EXPECT_EQ(m->ring_bytes(), 8192u);
+}
+
 TEST(Semaphores, RaiseNeverLowers) {
   uint64_t v = 5;
   EXPECT_EQ(RaiseSemaphore(&v, 3), 5u);
