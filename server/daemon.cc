@@ -457,13 +457,21 @@ Status Daemon::AttachStore(Session& s, std::string_view name, v1::StoreAttachRep
   // region is released).
   std::vector<std::shared_ptr<const void>> held{ref};
   for (server::StoreRef& e : store->SetEntries(s.peer(), ref->publish_id)) held.push_back(std::move(e));
+  // The descriptor first: a failed export (the daemon out of descriptors)
+  // then leaves no region behind that the client never heard of.
+  OPD_RETURN_IF_ERROR(ref->block->ExportFd(fd));
   RegionRegistry::Registered r;
   void* base = reinterpret_cast<void*>(ref->block->address());
-  OPD_RETURN_IF_ERROR(s.regions().RegisterLent(StoreRegionKey(ref->publish_id), base, ref->block->bytes(),
-                                               RegionRegistry::Lent{.read_only = true, .counts_bytes = false},
-                                               std::move(held), &r));
+  if (Status rs = s.regions().RegisterLent(StoreRegionKey(ref->publish_id), base, ref->block->bytes(),
+                                           RegionRegistry::Lent{.read_only = true, .counts_bytes = false},
+                                           std::move(held), &r);
+      !rs.ok()) {
+    ::close(*fd);
+    *fd = -1;
+    return rs;
+  }
   reply->region_id = r.region_id;
-  return ref->block->ExportFd(fd);
+  return Status::Ok();
 }
 
 Status Daemon::ListStore(uint64_t session_id, std::string_view token, std::string_view prefix,

@@ -11,7 +11,10 @@
 // multiples of kStoreAlignment, in the set's order. A block is what a client
 // maps when it attaches an entry (the whole block, read-only: every entry of
 // a set has the same owner and readers), and what the limit counts
-// (StoreAllocator::AllocationBytes of the set's extent).
+// (StoreAllocator::AllocationBytes of the set's extent). "Read-only" is kept
+// by the daemon's dispatch and by this project's client; the descriptor
+// itself carries no access rights, so a hostile reader can write the block
+// (docs/DESIGN.md section 5 says what that means for who may read a set).
 //
 // Contract:
 //   - Names are hierarchical: segments of [A-Za-z0-9._-] joined by '/', at
