@@ -42,6 +42,7 @@ class CudaStoreBlock final : public StoreBlock {
     if (err == cudaSuccess) {
       err = cudaMemcpy(reinterpret_cast<char*>(p_) + offset, src.data(), src.size(), cudaMemcpyHostToDevice);
     }
+    if (err == cudaSuccess) err = Finished();
     if (err != cudaSuccess) return Status::Internal("cudaMemcpy into the store: ", cudaGetErrorString(err));
     return Status::Ok();
   }
@@ -49,6 +50,7 @@ class CudaStoreBlock final : public StoreBlock {
     OPD_RETURN_IF_ERROR(Inside("copy", offset, n));
     cudaError_t err = cudaSetDevice(device_);
     if (err == cudaSuccess) err = cudaMemcpy(reinterpret_cast<char*>(p_) + offset, src, n, cudaMemcpyDeviceToDevice);
+    if (err == cudaSuccess) err = Finished();
     if (err != cudaSuccess) return Status::Internal("cudaMemcpy from a client region into the store: ", cudaGetErrorString(err));
     return Status::Ok();
   }
@@ -61,6 +63,14 @@ class CudaStoreBlock final : public StoreBlock {
   }
 
  private:
+  // cudaMemcpy does not wait for a device-to-device copy, and from pageable
+  // host memory returns once the bytes are staged, not landed: waiting on
+  // the legacy stream it ran on (never the device: the lane streams are
+  // non-blocking and not waited for) makes the copy done when Write or
+  // CopyFromDevice returns, as StoreBlock promises. Else a set could become
+  // visible before its bytes, and the client free a source still being read.
+  static cudaError_t Finished() { return cudaStreamSynchronize(cudaStreamLegacy); }
+
   Status Inside(const char* what, uint64_t offset, uint64_t n) const {
     if (offset > bytes_ || n > bytes_ - offset) {
       return Status::Internal("store block ", what, " of ", n, " bytes at ", offset, " past its ", bytes_);
@@ -135,6 +145,12 @@ Status CudaStoreAllocator::Allocate(uint64_t bytes, std::unique_ptr<StoreBlock>*
   access.location = prop.location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   OPD_RETURN_IF_ERROR(Driver("cuMemSetAccess for the store", api->mem_set_access(undo.p, size, &access, 1)));
+  // Zeroed: a set's fill writes its entries only, and an attacher maps the
+  // whole block (alignment gaps and the rounded-up tail too), so whatever
+  // the driver's memory held before (another owner's set) must not show.
+  cudaError_t err = cudaMemset(reinterpret_cast<void*>(undo.p), 0, size);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamLegacy);
+  if (err != cudaSuccess) return Status::Internal("cudaMemset of a store block: ", cudaGetErrorString(err));
   *out = std::make_unique<CudaStoreBlock>(api, device_, handle, undo.p, size);
   undo.kept = true;
   return Status::Ok();

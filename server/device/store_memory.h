@@ -24,7 +24,8 @@ class StoreBlock {
   virtual ~StoreBlock() = default;
   virtual uint64_t address() const = 0;  // device address (host address in tests)
   // The allocation's size: what was asked, rounded up to the allocator's
-  // granularity. Every byte of it may be mapped by a client.
+  // granularity. Every byte of it may be mapped by a client: a new block
+  // reads as zeros.
   virtual uint64_t bytes() const = 0;
   // Copies `src` from host memory to [offset, offset + src.size()) of the
   // block, synchronously; INTERNAL when that range is not inside the block.
