@@ -55,21 +55,33 @@ namespace {
 std::atomic<bool> g_monitor_gone{false};
 }  // namespace
 
+// The process that started the monitor's thread (0: not started).
+std::atomic<pid_t> g_monitor_pid{0};
+
 SessionMonitor* SessionMonitor::Get() {
   if (g_monitor_gone.load(std::memory_order_acquire)) return nullptr;
   // Constructed on first use, which is after the CUDA runtime initialized,
   // so it is destroyed before the runtime's own exit handlers run.
   static SessionMonitor monitor;
+  if (g_monitor_pid.load(std::memory_order_acquire) != ::getpid()) return nullptr;  // a forked child
   return &monitor;
 }
 
 SessionMonitor::SessionMonitor() : impl_(new Impl) {
   impl_->wake.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   impl_->thread = std::thread([this] { impl_->Run(); });
+  g_monitor_pid.store(::getpid(), std::memory_order_release);
 }
 
 SessionMonitor::~SessionMonitor() {
   g_monitor_gone.store(true, std::memory_order_release);
+  if (g_monitor_pid.load(std::memory_order_acquire) != ::getpid()) {
+    // A child forked after the thread started, exiting: that thread is not
+    // here to join (joining would wait forever), and its lock may be held.
+    // What the parent's copy owns is the parent's to release.
+    (void)impl_.release();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->stop = true;

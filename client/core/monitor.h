@@ -53,7 +53,9 @@ inline constexpr std::chrono::milliseconds kCloseGrace{10000};
 class SessionMonitor {
  public:
   // The process's monitor, started on first use; nullptr once it has been
-  // destroyed at process exit (an engine with static storage can outlive it).
+  // destroyed at process exit (an engine with static storage can outlive it),
+  // and in a child forked after it started: its thread did not come along,
+  // a lock it held may stay held, and CUDA is unusable there anyway.
   static SessionMonitor* Get();
 
   // Starts watching a bound session.
