@@ -120,7 +120,11 @@ Status SessionEngine::Create(int device, BoundSession bound, const EngineOptions
   e->regions_ = std::make_unique<RegionCache>(e->allocations_.get(), registrar, device);
 
   SessionMonitor* monitor = SessionMonitor::Get();
-  if (monitor == nullptr) return Status::Unavailable("the process is exiting");
+  if (monitor == nullptr) {
+    return Status::Unavailable(
+        "no session monitor: the process is exiting, or was forked after its parent's monitor started (CUDA "
+        "cannot be used in such a child)");
+  }
   monitor->Watch(e);
   *out = std::move(e);
   return Status::Ok();
