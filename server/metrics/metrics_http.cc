@@ -20,6 +20,7 @@ constexpr size_t kMaxHead = 8192;
 
 struct Conn {
   int fd = -1;
+  Clock::time_point accepted;
   Clock::time_point deadline;
   std::string in;   // the request head as read so far
   std::string out;  // the response, once the head is complete
@@ -98,22 +99,55 @@ void MetricsHttpServer::Stop() {
   }
 }
 
+// One non-blocking read of `c`'s request head; once the head is complete (or
+// too long) its response is ready in c.out. False when the peer is gone.
+static bool ReadHead(Conn& c, const std::function<std::string()>& render) {
+  char buf[2048];
+  const ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
+  if (n <= 0) return n < 0 && (errno == EAGAIN || errno == EINTR);
+  c.in.append(buf, static_cast<size_t>(n));
+  if (c.in.find("\r\n\r\n") != std::string::npos) {
+    c.out = Answer(c.in, render);
+  } else if (c.in.size() > kMaxHead) {
+    c.out = Response(431, "Request Header Fields Too Large", "text/plain", "request head over 8 KiB\n");
+  }
+  return true;
+}
+
 void MetricsHttpServer::Loop() {
   std::vector<Conn> conns;
+  Clock::time_point accept_paused_until{};
+  // The oldest connection that has not sent its request head, accepted at
+  // least `grace` ago: the one to drop when room is needed.
+  auto oldest_silent = [&](Clock::time_point now, std::chrono::milliseconds grace) {
+    auto oldest = conns.end();
+    for (auto it = conns.begin(); it != conns.end(); ++it) {
+      const bool silent = it->out.empty() && now - it->accepted >= grace;
+      if (silent && (oldest == conns.end() || it->accepted < oldest->accepted)) oldest = it;
+    }
+    return oldest;
+  };
   while (!stop_.load(std::memory_order_acquire)) {
-    // The listening socket is polled only while a slot is free: a peer past
-    // the cap waits in the listen backlog instead of being reset.
-    const bool room = conns.size() < static_cast<size_t>(kMaxConnections);
-    std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}, {listen_fd_, static_cast<short>(room ? POLLIN : 0), 0}};
-    auto next_deadline = Clock::now() + std::chrono::seconds(1);
+    // The listening socket is polled always (but while accepting is paused
+    // for want of descriptors): the backlog is drained as connections come,
+    // never left full for a scraper's connect to be dropped.
+    Clock::time_point now = Clock::now();
+    const bool listen = now >= accept_paused_until;
+    std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}, {listen_fd_, static_cast<short>(listen ? POLLIN : 0), 0}};
+    const bool crowded = conns.size() > static_cast<size_t>(kMaxConnections);
+    auto next_deadline = now + std::chrono::seconds(1);
+    if (!listen) next_deadline = std::min(next_deadline, accept_paused_until);
     for (const Conn& c : conns) {
       fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
       next_deadline = std::min(next_deadline, c.deadline);
+      if (c.out.empty()) {
+        next_deadline = std::min(next_deadline, c.accepted + kHeadDeadline);
+        if (crowded && c.accepted + kHeadGrace > now) next_deadline = std::min(next_deadline, c.accepted + kHeadGrace);
+      }
     }
     const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_deadline - Clock::now()).count();
     if (poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(wait, 0) + 1)) < 0 && errno != EINTR) break;
-    const auto now = Clock::now();
-    // Connections first, so that slots they free this round take new ones.
+    now = Clock::now();
     for (size_t i = 0; i < conns.size(); ++i) {
       Conn& c = conns[i];
       const short revents = fds[i + 2].revents;
@@ -121,35 +155,56 @@ void MetricsHttpServer::Loop() {
       if (revents & (POLLERR | POLLHUP | POLLNVAL)) {
         done = true;
       } else if (c.out.empty() && (revents & POLLIN)) {
-        char buf[2048];
-        const ssize_t n = recv(c.fd, buf, sizeof(buf), 0);
-        if (n <= 0) {
-          done = n == 0 || (errno != EAGAIN && errno != EINTR);
-        } else {
-          c.in.append(buf, static_cast<size_t>(n));
-          if (c.in.find("\r\n\r\n") != std::string::npos) {
-            c.out = Answer(c.in, render_);
-          } else if (c.in.size() > kMaxHead) {
-            c.out = Response(431, "Request Header Fields Too Large", "text/plain", "request head over 8 KiB\n");
-          }
-        }
+        done = !ReadHead(c, render_);
       } else if (!c.out.empty() && (revents & POLLOUT)) {
         const ssize_t n = send(c.fd, c.out.data() + c.written, c.out.size() - c.written, MSG_NOSIGNAL);
         if (n > 0) c.written += static_cast<size_t>(n);
         done = (n < 0 && errno != EAGAIN && errno != EINTR) || c.written == c.out.size();
       }
-      if (done || now >= c.deadline) {
+      if (done || now >= c.deadline || (c.out.empty() && now - c.accepted >= kHeadDeadline)) {
         close(c.fd);
         c.fd = -1;
       }
     }
     std::erase_if(conns, [](const Conn& c) { return c.fd < 0; });
     if (fds[1].revents & POLLIN) {
-      while (conns.size() < static_cast<size_t>(kMaxConnections)) {
-        int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd < 0) break;  // EAGAIN, or out of descriptors: the next poll retries
-        conns.push_back(Conn{fd, Clock::now() + kIoDeadline, {}, {}, 0});
+      // A bounded number a round, so the connections above keep their turn.
+      for (int k = 0; k < 64; ++k) {
+        const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+          // Out of descriptors the pending peer stays queued and the socket
+          // readable: pause instead of polling it in a loop. (EAGAIN: nobody
+          // is waiting.)
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            accept_paused_until = now + kAcceptPause;
+          }
+          break;
+        }
+        Conn c{fd, now, now + kIoDeadline, {}, {}, 0};
+        if (!ReadHead(c, render_)) {  // a peer that sent its request with the connect has it read here
+          close(fd);
+          continue;
+        }
+        if (conns.size() < static_cast<size_t>(kMaxOpen)) {
+          conns.push_back(std::move(c));
+          continue;
+        }
+        const auto victim = oldest_silent(now, std::chrono::milliseconds(0));
+        if (victim == conns.end()) {
+          close(fd);
+          continue;
+        }
+        close(victim->fd);
+        *victim = std::move(c);
       }
+    }
+    // Past kMaxConnections, a connection silent for kHeadGrace gives way:
+    // the oldest first. A scraper sends its request within that.
+    while (conns.size() > static_cast<size_t>(kMaxConnections)) {
+      const auto victim = oldest_silent(now, kHeadGrace);
+      if (victim == conns.end()) break;
+      close(victim->fd);
+      conns.erase(victim);
     }
   }
   for (Conn& c : conns) close(c.fd);

@@ -11,11 +11,17 @@
 //     returns, Content-Type text/plain; version=0.0.4; `GET` of another path
 //     -> 404; another method -> 405; a request that is not HTTP -> 400.
 //     Every response closes the connection.
-//   - Hostile peers: at most kMaxConnections at once (more wait in the
-//     listen backlog of 16 until a slot frees), a request head of at most
-//     8 KiB, and kIoDeadline from accept to the last byte written, after
-//     which the connection is dropped. Peers holding every slot therefore
-//     delay a scrape by at most kIoDeadline.
+//   - Hostile peers: the listen backlog is drained as connections come
+//     (never left full for a scraper's connect to be dropped), each read once
+//     at accept. A request head must be complete (at most 8 KiB) within
+//     kHeadDeadline of accept and the response written within kIoDeadline;
+//     past either the connection is dropped. Beyond kMaxConnections open,
+//     connections silent for kHeadGrace are dropped oldest first, and beyond
+//     kMaxOpen a newcomer takes the place of the oldest silent one: peers
+//     that connect and send nothing, or trickle, cannot keep out a scraper,
+//     which sends its request at once. Out of descriptors, accepting pauses
+//     for kAcceptPause instead of polling a listening socket that stays
+//     readable.
 //   - render() runs on the server's thread, one request at a time.
 #pragma once
 
@@ -32,7 +38,11 @@ namespace cache_dit_opd {
 class MetricsHttpServer {
  public:
   static constexpr int kMaxConnections = 8;
+  static constexpr int kMaxOpen = 256;
   static constexpr std::chrono::milliseconds kIoDeadline{5000};
+  static constexpr std::chrono::milliseconds kHeadDeadline{1000};
+  static constexpr std::chrono::milliseconds kHeadGrace{100};
+  static constexpr std::chrono::milliseconds kAcceptPause{100};
 
   explicit MetricsHttpServer(std::function<std::string()> render);
   ~MetricsHttpServer();

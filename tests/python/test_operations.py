@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -165,8 +166,8 @@ def test_metrics_endpoint_answers_only_get_metrics_and_survives_garbage(metrics_
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 10000)
         assert s.recv(64).startswith(b"HTTP/1.1 431")
-    # More silent peers than slots (8): a scrape waits in the listen backlog until their 5 s deadline
-    # frees slots, and is answered, not reset.
+    # More silent peers than the 8 that may stay silent for a second: the others are dropped after 100 ms, and a
+    # scrape is answered at once (not after their 5 s deadline, as it once was).
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
     try:
         assert sample(scrape(port), "cache_dit_opd_sessions") == 0
@@ -174,6 +175,69 @@ def test_metrics_endpoint_answers_only_get_metrics_and_survives_garbage(metrics_
         for s in idle:
             s.close()
     assert sample(scrape(port), "cache_dit_opd_sessions") == 0
+    assert d.alive()
+
+
+def test_silent_peers_that_reconnect_at_once_cannot_keep_a_scraper_out(metrics_daemon):
+    """More silent peers than the backlog holds, each reconnecting as soon as it is dropped: the endpoint
+    drains its backlog as connections come (a full one would drop the scraper's connect) and drops silent
+    peers before a scraper, which sends its request at once. Every scrape is answered within its timeout."""
+    d, port = metrics_daemon
+    stop = threading.Event()
+
+    def silent():
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                    s.settimeout(10)
+                    while not stop.is_set() and s.recv(64):
+                        pass
+            except OSError:
+                pass
+
+    peers = [threading.Thread(target=silent, daemon=True) for _ in range(64)]
+    for t in peers:
+        t.start()
+    try:
+        time.sleep(0.5)
+        for _ in range(3):
+            assert sample(scrape(port), "cache_dit_opd_sessions") == 0
+    finally:
+        stop.set()
+        for t in peers:
+            t.join(timeout=15)
+    assert d.alive()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_out_of_descriptors_the_endpoint_waits_instead_of_spinning(metrics_daemon):
+    """With the daemon's descriptors used up, a connection waiting to be accepted keeps the listening socket
+    readable: the endpoint pauses accepting (it used to poll it in a loop, a core at 100%) and answers once
+    descriptors are free again."""
+    import resource
+
+    d, port = metrics_daemon
+    limits = resource.prlimit(d.pid, resource.RLIMIT_NOFILE)
+    used = {int(n) for n in os.listdir(f"/proc/{d.pid}/fd")}
+    lowest_free = next(n for n in range(len(used) + 1) if n not in used)
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            before = _cpu_seconds(d.pid)
+            time.sleep(1.0)
+            spent = _cpu_seconds(d.pid) - before
+            resource.prlimit(d.pid, resource.RLIMIT_NOFILE, limits)
+            assert spent < 0.3, f"the daemon used {spent:.2f} s of CPU in 1 s with a connection it could not accept"
+            s.settimeout(TIMEOUT_S)
+            assert s.recv(64).startswith(b"HTTP/1.1 200")
+    finally:
+        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, limits)
     assert d.alive()
 
 
