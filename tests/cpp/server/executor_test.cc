@@ -613,6 +613,15 @@ class LaunchAheadTest : public ExecutorTest {
     o.park_deadline = deadline;
     return o;
   }
+  // An executor with these options over streams whose queues hold a little
+  // more than the depth bound allows: three operations per call on the fake
+  // (wait, run, done write), so a launch past the bound would block.
+  ExecutorOptions RecreateWithFiniteQueues(int slots, std::chrono::milliseconds deadline) {
+    const ExecutorOptions o = Options(slots, deadline);
+    Recreate(o);
+    device_.max_queued = 3 * o.max_calls_ahead + 8;
+    return o;
+  }
   size_t WaitsOn(void* stream) {
     std::lock_guard<std::mutex> lock(device_.mu);
     size_t n = 0;
@@ -745,11 +754,7 @@ TEST_F(LaunchAheadTest, AnEndedSessionsParkedWaitsAreReleased) {
 // parked behind its wait: the executor (which launches for everyone) would
 // block in that launch.
 TEST_F(LaunchAheadTest, AClientThatNeverSignalsCannotFillItsLaneStream) {
-  ExecutorOptions o = Options(2, 10s);
-  Recreate(o);
-  // Three operations per call on the fake (wait, run, done write): the bound
-  // keeps a lane's queue below this.
-  device_.max_queued = 3 * o.max_calls_ahead + 8;
+  const ExecutorOptions o = RecreateWithFiniteQueues(2, 10s);
   auto stalled = NewSession(1);
   auto busy = NewSession(1);
   Results r;
@@ -786,9 +791,7 @@ TEST_F(LaunchAheadTest, AClientThatNeverSignalsCannotFillItsLaneStream) {
 // stream otherwise). Past the deadline the wait is released to the parked
 // seq, replacing the value, and ending the session drains every call.
 TEST_F(LaunchAheadTest, AValueNoWaitPassesNeitherFreesTheSlotNorLiftsTheBound) {
-  ExecutorOptions o = Options(1, 50ms);
-  Recreate(o);
-  device_.max_queued = 3 * o.max_calls_ahead + 8;
+  const ExecutorOptions o = RecreateWithFiniteQueues(1, 50ms);
   auto evil = NewSession(1);
   auto other = NewSession(1);
   Results r;

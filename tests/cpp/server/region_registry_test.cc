@@ -288,11 +288,13 @@ TEST_F(RegionRegistryTest, SharedRegionsCountAgainstTheRegionLimitAndAreEvictedW
   EXPECT_EQ(alive, 1);  // the refused keep-alive is not kept
 }
 
+// A run of client chunks the caller mapped: read-write, counted.
+constexpr RegionRegistry::Lent chunks{.read_only = false, .counts_bytes = true};
+
 TEST_F(RegionRegistryTest, AWritableLentRegionCountsItsBytesAndIsEvictedForThem) {
   auto reg = Make(RegionLimits{16, 3u << 20});
   int alive = 0;
   char run[64];
-  const RegionRegistry::Lent chunks{.read_only = false, .counts_bytes = true};
   RegionRegistry::Registered a, b;
   ASSERT_TRUE(reg->RegisterLent("chunks:1", run, 2u << 20, chunks, {Tracked(&alive)}, &a).ok());
   MappedRegion m;
@@ -319,7 +321,6 @@ TEST_F(RegionRegistryTest, ASecondMappingOfAKnownRunIsNotKept) {
   auto reg = Make(RegionLimits{16, 3u << 20});
   int alive = 0;
   char run[64];
-  const RegionRegistry::Lent chunks{.read_only = false, .counts_bytes = true};
   RegionRegistry::Registered a, b;
   ASSERT_TRUE(reg->RegisterLent("chunks:1", run, 2u << 20, chunks, {Tracked(&alive)}, &a).ok());
   ASSERT_TRUE(reg->RegisterLent("chunks:1", run + 8, 2u << 20, chunks, {Tracked(&alive)}, &b).ok());
