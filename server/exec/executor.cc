@@ -469,10 +469,9 @@ bool Executor::Park(LaneQueue& q, uint64_t seq) {
       // Stalled: its client's inputs are behind the parked seq and its
       // stream has finished nothing for the deadline (a lane whose inputs
       // arrived is busy on the GPU, not stalled).
-      if (!SessionMemory::Reached(it->second.seen, it->second.seq) && now - it->second.moved >= options_.park_deadline &&
-          (victim == parked_.end() || it->second.moved < victim->second.moved)) {
-        victim = it;
-      }
+      const Parked& p = it->second;
+      const bool stalled = !SessionMemory::Reached(p.seen, p.seq) && now - p.moved >= options_.park_deadline;
+      if (stalled && (victim == parked_.end() || p.moved < victim->second.moved)) victim = it;
     }
     if (victim == parked_.end()) return false;
     Parked stalled = victim->second;
