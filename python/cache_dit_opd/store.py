@@ -94,8 +94,9 @@ def publish_file(path: str | os.PathLike, prefix: str = "", tensors: Iterable[st
                  readers: Iterable[int] = (), *, device=None, session=None) -> list[StoreEntry]:
     """Publishes tensors of the ``.safetensors`` file at ``path`` (read by the daemon, opened with this
     process's rights: PermissionError when it may not read it) as one set named ``prefix + <tensor name>``;
-    ``tensors`` chooses some (default: all); ``readers`` are uids besides this process's that may read them. Returns the set, in file order.
-    ``device``: whose GPU's daemon (default: the current device); ``session``: an open session instead."""
+    ``tensors`` chooses some (default: all); ``readers`` are uids besides this process's that may read them.
+    Returns the set, in file order. ``device``: whose GPU's daemon (default: the current device);
+    ``session``: an open session instead."""
     s = _session_for(device, session)
     pb = s._pb
     req = pb.PublishFileRequest(session_id=s.reply.session_id, token=s.reply.token,
