@@ -656,7 +656,7 @@ class Session:
             where = (f" (asynchronous call on lane {r.lane}, seq {r.seq}, ticket {r.ticket}; its outputs were not "
                      f"written)")
             label = ops.get(r.op_index, f"op #{r.op_index}")
-            if e.action == _errors.REREGISTER:
+            if e.action == _errors.REREGISTER and self.regions is not None:
                 self.regions.forget(r.regions[:r.nregions])  # evicted by the daemon: the next call registers again
             if e.action in (_errors.RECONNECT, _errors.FAIL):
                 reconnect = reconnect or e
