@@ -34,7 +34,7 @@ TEST(SessionMonitor, AForkedChildGetsNoneAndExitsNormally) {
     FAIL() << "the forked child did not exit within 20 s (it waited for the parent's monitor thread)";
   }
   ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child got the parent's monitor";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: the child got the parent's monitor; else its exit failed";
   EXPECT_NE(SessionMonitor::Get(), nullptr);  // the parent's is untouched
 }
 
