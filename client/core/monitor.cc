@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "client/core/session_engine.h"
+#include "common/intentional_leak.h"
 
 namespace cache_dit_opd::client {
 
@@ -57,9 +58,6 @@ std::atomic<bool> g_monitor_gone{false};
 
 // The process that started the monitor's thread (0: not started).
 std::atomic<pid_t> g_monitor_pid{0};
-// What a forked child's copy of the monitor leaves alone at exit; held here
-// so that it stays reachable (not a leak to LeakSanitizer).
-void* g_left_by_fork = nullptr;
 
 SessionMonitor* SessionMonitor::Get() {
   if (g_monitor_gone.load(std::memory_order_acquire)) return nullptr;
@@ -82,7 +80,7 @@ SessionMonitor::~SessionMonitor() {
     // A child forked after the thread started, exiting: that thread is not
     // here to join (joining would wait forever), and its lock may be held.
     // What the parent's copy owns is the parent's to release.
-    g_left_by_fork = impl_.release();
+    IntentionalLeak(impl_);
     return;
   }
   {

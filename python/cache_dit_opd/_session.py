@@ -695,8 +695,8 @@ class Session:
         """Ends the session: waits for every call in flight, closes it (the daemon completes every lane, then
         unmaps the regions), then raises what asynchronous calls were rejected with. A failed session is only
         released (its errors wait for take_deferred_errors())."""
-        if self._failure is not None or self.failed is not None:
-            self.fail(self._failure)
+        if self.failed is not None:
+            self.fail(self.failed)
             return
         errs = self.async_errors(wait=True)
         self.fail(DaemonError(1, _wire.REASONS["CLOSED"][0], "closed by the client"))
@@ -848,9 +848,11 @@ _ended_errors_lock = threading.Lock()
 def take_ended_errors(device_index: int | None = None) -> list[Exception]:
     """Takes this process's errors of ended sessions (of one device, or all)."""
     pid = os.getpid()
+    mine, others = [], []
     with _ended_errors_lock:
-        mine = [e for e in _ended_errors if e[0] == pid and device_index in (None, e[1])]
-        _ended_errors[:] = [e for e in _ended_errors if e not in mine]
+        for e in _ended_errors:
+            (mine if e[0] == pid and device_index in (None, e[1]) else others).append(e)
+        _ended_errors[:] = others
     return [e[2] for e in mine]
 
 
@@ -863,10 +865,11 @@ def take_deferred_errors() -> list[Exception]:
     errs = []
     pid = os.getpid()
     for s in list(_live_sessions):
-        if s.pid == pid and s.native is not None and s.failed is None:
+        if s.pid != pid:
+            continue
+        if s.failed is None:
             errs.extend(s.async_errors(wait=True))
-    for s in list(_live_sessions):
-        if s.pid == pid and s.failed is not None:
+        else:
             s.fail(s.failed)  # an engine failure nobody acted on yet: release it, keep its errors
     return errs + take_ended_errors()
 

@@ -377,7 +377,7 @@ void SessionChannel::HandOver(Conn& conn, Status admitted, const char* what, con
       return;
     }
     const int err = errno;
-    admitted = err == EMFILE || err == ENFILE
+    admitted = OutOfResources(err)
                    ? Status::Rejected(Reason::kResourceExhausted, what, ": the daemon is out of descriptors (dup: ",
                                       std::strerror(err), ")")
                    : Status::Rejected(Reason::kInternal, what, ": dup: ", std::strerror(err));
