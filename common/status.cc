@@ -23,6 +23,13 @@ const char* StatusCodeName(StatusCode code) {
   return "UNKNOWN";
 }
 
+size_t Utf8Prefix(std::string_view message, size_t max) {
+  if (message.size() <= max) return message.size();
+  size_t n = max;
+  while (n > 0 && (static_cast<unsigned char>(message[n]) & 0xC0) == 0x80) --n;  // continuation bytes: 10xxxxxx
+  return n;
+}
+
 std::string ReasonName(Reason reason) {
   switch (reason) {
     case Reason::kUnspecified: return "UNSPECIFIED";

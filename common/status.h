@@ -57,6 +57,10 @@ enum class Reason : uint32_t {
 
 // "LANE_SEQUENCE"; "UNSPECIFIED" for 0; "REASON(<n>)" for a value outside the table.
 std::string ReasonName(Reason reason);
+// How many leading bytes of `message`, at most `max`, a transport with a
+// bounded message field keeps: never ending inside a UTF-8 sequence (clients
+// decode the message as text).
+size_t Utf8Prefix(std::string_view message, size_t max);
 // The code a reason is sent with (wire.h); kUnknown for kUnspecified.
 StatusCode ReasonCode(Reason reason);
 // A received value: the reason, or kUnspecified when the table has no such value.

@@ -7,9 +7,7 @@ namespace {
 
 std::string Bounded(const std::string& message) {
   if (message.size() <= kMaxGrpcMessageBytes) return message;
-  size_t keep = kMaxGrpcMessageBytes - 64;  // room for the note
-  // Never end inside a multi-byte character (continuation bytes are 10xxxxxx).
-  while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;
+  const size_t keep = Utf8Prefix(message, kMaxGrpcMessageBytes - 64);  // room for the note
   return message.substr(0, keep) + "... (" + std::to_string(message.size() - keep) + " more bytes cut)";
 }
 

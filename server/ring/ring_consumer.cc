@@ -19,15 +19,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Length of at most `max` bytes of `s` that does not split a UTF-8 sequence
-// (the client decodes the message as text).
-size_t Utf8Prefix(const std::string& s, size_t max) {
-  if (s.size() <= max) return s.size();
-  size_t n = max;
-  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
-  return n;
-}
-
 }  // namespace
 
 void WriteRingCompletion(SessionMemory& memory, uint64_t ticket, uint32_t lane, uint64_t seq, const Status& status) {
