@@ -53,13 +53,22 @@ Status SendMessage(int sock, const void* bytes, size_t size, int fd, const char*
 
 }  // namespace
 
+// The reply's message field: the status message cut at a UTF-8 boundary and
+// NUL-terminated (clients decode it as text; strncpy could end mid-sequence).
+template <size_t N>
+void CopyMessage(char (&field)[N], const Status& status) {
+  const size_t n = Utf8Prefix(status.message(), N - 1);
+  std::memcpy(field, status.message().data(), n);
+  std::memset(field + n, 0, N - n);
+}
+
 Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_bytes, int fd) {
   v1::BindReply reply{};
   reply.status_code = static_cast<int32_t>(status.code());
   reply.layout_version = v1::kLayoutVersion;
   reply.shared_memory_bytes = status.ok() ? shared_memory_bytes : 0;
   reply.reason = static_cast<uint32_t>(status.reason());
-  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
+  CopyMessage(reply.message, status);
   return SendMessage(sock, &reply, sizeof(reply), fd, "BindReply");
 }
 
@@ -67,8 +76,7 @@ Status SendAttachReply(int sock, const Status& status, v1::StoreAttachReply repl
   if (!status.ok()) reply = v1::StoreAttachReply{};
   reply.status_code = static_cast<int32_t>(status.code());
   reply.reason = static_cast<uint32_t>(status.reason());
-  std::memset(reply.message, 0, sizeof(reply.message));
-  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
+  CopyMessage(reply.message, status);
   return SendMessage(sock, &reply, sizeof(reply), status.ok() ? fd : -1, "StoreAttachReply");
 }
 
@@ -80,7 +88,7 @@ Status SendRegionReply(int sock, const Status& status, uint64_t region_id, uint6
     reply.region_id = region_id;
     reply.mapped_bytes = mapped_bytes;
   }
-  std::strncpy(reply.message, status.message().c_str(), sizeof(reply.message) - 1);
+  CopyMessage(reply.message, status);
   return SendMessage(sock, &reply, sizeof(reply), -1, "VmmRegionReply");
 }
 

@@ -16,7 +16,10 @@
 #                   default                              -> $OUT/svdq.json
 #   ncu-svdq[=S]    bench/ncu_svdq.sh for schedules S (default sm90,sm90-overlap)
 #   probe-wgmma[=P] opd_wgmma_loop_probe, runs P (comma-separated; default all)
-#   probe-traffic   opd_traffic_probe: DRAM bandwidth of each read : write mix
+#   probe-traffic[=M]  opd_traffic_probe: DRAM bandwidth of each read : write mix
+#                   (M: MiB the 1 : 1 case reads, default 1024)
+#   kernels-bench[=O]  bench/kernels.py, ops whose name contains O (default all)
+#                                                        -> $OUT/kernels[.N].json
 #   probe-handoff[=B]  bench/probes/handoff.sh: the hand-off's GPU ceiling, one
 #                   context and a process per client, without and under MPS;
 #                   B: the bytes each call's copy moves (default 1 MiB)
@@ -86,7 +89,8 @@ for step in "$@"; do
     svdq-bench) cmd=(python3 bench/svdq.py --lib "$LIB" --json "$OUT/svdq.json") ;;
     ncu-svdq) cmd=(bench/ncu_svdq.sh --lib "$LIB" --out "$OUT/ncu" --schedules "${arg:-sm90,sm90-overlap}") ;;
     probe-wgmma) cmd=("$BUILD/bench/probes/opd_wgmma_loop_probe" ${arg//,/ }) ;;
-    probe-traffic) cmd=("$BUILD/bench/probes/opd_traffic_probe") ;;
+    probe-traffic) cmd=("$BUILD/bench/probes/opd_traffic_probe" ${arg:+"$arg"}) ;;
+    kernels-bench) cmd=(python3 bench/kernels.py --lib "$LIB" --json "$OUT/kernels${tag#kernels-bench}.json" ${arg:+--only "$arg"}) ;;
     probe-handoff) cmd=(bench/probes/handoff.sh "$BUILD/bench/probes/opd_stream_queues_probe" ${arg:+200 "$arg"}) ;;
     ctest-gpu) cmd=(ctest --test-dir "$BUILD" --output-on-failure -L gpu) ;;
     kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;

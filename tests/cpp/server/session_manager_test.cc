@@ -727,5 +727,40 @@ TEST_F(SessionManagerTest, ReleasingDeviceResourcesUndoesCreate) {
   EXPECT_EQ(device_.stream_count(), 0u);
 }
 
+// Every channel reply cuts a long message at a UTF-8 boundary and ends it
+// with a NUL (strncpy cut "é" = C3 A9 in half at the field's end).
+TEST(SessionChannelReplyTest, LongMessagesEndOnAUtf8BoundaryAndAreTerminated) {
+  std::string message;
+  while (message.size() < 1000) message += "\xc3\xa9";  // "é": 2-byte sequences, so an odd cut splits one
+  const Status status = Status::InvalidArgument(message).WithReason(Reason::kMalformed);
+  auto check = [](const char* field, size_t capacity) {
+    const std::string got(field, strnlen(field, capacity));
+    EXPECT_LT(got.size(), capacity) << "not NUL-terminated";
+    EXPECT_GE(got.size(), capacity - 2);  // as long as the field allows, less at most the split sequence
+    EXPECT_EQ(got.size() % 2, 0u) << "ends inside a 2-byte sequence";
+    EXPECT_EQ(Utf8Prefix(got, got.size()), got.size());
+  };
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
+  ASSERT_TRUE(SendBindReply(sv[0], status, 0, -1).ok());
+  v1::BindReply bind{};
+  int fd = -1;
+  ASSERT_TRUE(testing::RecvBindReply(sv[1], &bind, &fd));
+  EXPECT_EQ(fd, -1);
+  EXPECT_EQ(bind.reason, static_cast<uint32_t>(Reason::kMalformed));
+  check(bind.message, sizeof(bind.message));
+  ASSERT_TRUE(SendAttachReply(sv[0], status, v1::StoreAttachReply{}, -1).ok());
+  v1::StoreAttachReply attach{};
+  ASSERT_EQ(recv(sv[1], &attach, sizeof(attach), 0), static_cast<ssize_t>(sizeof(attach)));
+  check(attach.message, sizeof(attach.message));
+  ASSERT_TRUE(SendRegionReply(sv[0], status, 7, 7).ok());
+  v1::VmmRegionReply region{};
+  ASSERT_EQ(recv(sv[1], &region, sizeof(region), 0), static_cast<ssize_t>(sizeof(region)));
+  check(region.message, sizeof(region.message));
+  EXPECT_EQ(region.region_id, 0u);  // a refusal names no region
+  close(sv[0]);
+  close(sv[1]);
+}
+
 }  // namespace
 }  // namespace cache_dit_opd
