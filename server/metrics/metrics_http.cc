@@ -27,9 +27,13 @@ struct Conn {
   size_t written = 0;
 };
 
-std::string Response(int code, const char* status, const std::string& type, const std::string& body) {
+// `extra`: further header lines, each ending in CRLF. A HEAD request gets the
+// head GET would get (its Content-Length included) and no body.
+std::string Response(int code, const char* status, const std::string& type, const std::string& body,
+                     bool head_only = false, const char* extra = "") {
   return "HTTP/1.1 " + std::to_string(code) + " " + status + "\r\nContent-Type: " + type +
-         "\r\nContent-Length: " + std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+         "\r\nContent-Length: " + std::to_string(body.size()) + "\r\n" + extra + "Connection: close\r\n\r\n" +
+         (head_only ? std::string() : body);
 }
 
 // The response to a complete request head (what the contract in the header says).
@@ -44,9 +48,12 @@ std::string Answer(const std::string& head, const std::function<std::string()>& 
   const std::string method = line.substr(0, sp1);
   std::string path = line.substr(sp1 + 1, sp2 - sp1 - 1);
   path = path.substr(0, path.find('?'));
-  if (method != "GET") return Response(405, "Method Not Allowed", "text/plain", "only GET /metrics\n");
-  if (path != "/metrics") return Response(404, "Not Found", "text/plain", "the metrics are at /metrics\n");
-  return Response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", render());
+  const bool head_only = method == "HEAD";
+  if (method != "GET" && !head_only) {  // RFC 9110 15.5.6: a 405 lists the methods the resource allows
+    return Response(405, "Method Not Allowed", "text/plain", "only GET /metrics\n", false, "Allow: GET, HEAD\r\n");
+  }
+  if (path != "/metrics") return Response(404, "Not Found", "text/plain", "the metrics are at /metrics\n", head_only);
+  return Response(200, "OK", "text/plain; version=0.0.4; charset=utf-8", render(), head_only);
 }
 
 }  // namespace

@@ -9,8 +9,9 @@
 // Contract:
 //   - `GET /metrics` (a query string is ignored) -> 200, the body `render()`
 //     returns, Content-Type text/plain; version=0.0.4; `GET` of another path
-//     -> 404; another method -> 405; a request that is not HTTP -> 400.
-//     Every response closes the connection.
+//     -> 404; `HEAD` -> the head `GET` would get, with no body; another
+//     method -> 405 with `Allow: GET, HEAD`; a request that is not HTTP ->
+//     400. Every response closes the connection.
 //   - Hostile peers: the listen backlog is drained as connections come
 //     (never left full for a scraper's connect to be dropped), each read once
 //     at accept. A request head must be complete (at most 8 KiB) within

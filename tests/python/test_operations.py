@@ -158,7 +158,19 @@ def test_metrics_endpoint_answers_only_get_metrics_and_survives_garbage(metrics_
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metrics", data=b"x"),
                                timeout=TIMEOUT_S)
-    assert e.value.code == 405
+    assert e.value.code == 405 and e.value.headers["Allow"] == "GET, HEAD"
+    # HEAD: GET's head (its length included), no body.
+    get = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S)
+    head = urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD"),
+                                  timeout=TIMEOUT_S)
+    assert head.status == 200 and head.headers["Content-Type"] == get.headers["Content-Type"]
+    assert int(head.headers["Content-Length"]) > 0 and head.read() == b""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+        assert raw.startswith(b"HTTP/1.1 200") and raw.endswith(b"\r\n\r\n")  # nothing after the head
     # Garbage, an oversized head, and silent connections beyond the cap: the next scrape still works.
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"\x00\xff garbage\r\n\r\n")
