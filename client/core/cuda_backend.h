@@ -48,8 +48,8 @@ class CudaLaneOps final : public LaneStreamOps {
   const SessionMapping* memory_;
   uint64_t device_base_;
   // One per lane, created on first use; guarded by the lane's mutex in
-  // LaneTable (only Issue touches them), read by FencesPassed after the
-  // session stopped issuing.
+  // LaneTable: Issue creates and records them, FencesPassed reads them with
+  // every lane's mutex held (LaneTable::FencesPassed).
   std::vector<void*> events_;
   bool leak_ = false;
 };

@@ -125,6 +125,16 @@ void LaneTable::ReleaseFromHost(const Status& reason) {
   }
 }
 
+int LaneTable::FencesPassed() {
+  std::vector<std::unique_lock<std::mutex>> held;
+  held.reserve(lane_count_);
+  for (uint32_t l = 0; l < lane_count_; ++l) {
+    held.emplace_back(lanes_[l].mu, std::try_to_lock);
+    if (!held.back().owns_lock()) return 0;
+  }
+  return ops_->FencesPassed();
+}
+
 uint64_t LaneTable::issued(uint32_t lane) const {
   return lanes_[lane].issued.load(std::memory_order_acquire);
 }

@@ -160,6 +160,15 @@ class LaneTable {
   // Last number issued on `lane` (0 before the first call). Never blocks.
   uint64_t issued(uint32_t lane) const;
 
+  // LaneTable::FencesPassed
+  //
+  // The ops' FencesPassed() with every lane's mutex held, for deciding that
+  // the lanes' memory may be freed: only after Fail(), which keeps later
+  // Issue calls from enqueueing. 0 (not yet) while some lane's mutex is held:
+  // an Issue past its failed() check may have enqueued a wait whose fence is
+  // not recorded yet. Never blocks (the caller serves other sessions).
+  int FencesPassed();
+
  private:
   struct Lane {
     std::mutex mu;

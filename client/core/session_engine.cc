@@ -262,7 +262,7 @@ void SessionEngine::ReleaseFromHost(const Status& reason) {
   if (lost > 0) lost_.fetch_add(lost, std::memory_order_acq_rel);
 }
 
-int SessionEngine::FencesPassed() const { return lane_ops_ ? lane_ops_->FencesPassed() : 1; }
+int SessionEngine::FencesPassed() const { return lanes_ ? lanes_->FencesPassed() : 1; }
 
 void SessionEngine::Close() {
   if (closed_.exchange(true)) return;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
+#include "client/core/monitor.h"
 #include "tests/cpp/client/support/test_support.h"
 
 namespace cache_dit_opd::client {
@@ -377,6 +379,45 @@ TEST_F(EngineTest, AStoppedDaemonIsFoundByItsHeartbeat) {
 // The daemon with several executor threads: six clients calling at once,
 // each from its own thread, every call answered and counted, and the threads
 // there to be seen by name.
+// A close while another thread is inside an issue (past its failed() check,
+// its wait enqueued, its fence not yet recorded): the monitor must not take
+// the fences as passed and free the memory under that wait. It keeps the
+// engine until the issue has ended, then lets it go.
+TEST_F(EngineTest, ACloseDuringAnIssueKeepsTheMemoryUntilTheIssueEnds) {
+  StartDaemon();
+  OpenEngine();
+  SessionMonitor* monitor = SessionMonitor::Get();
+  ASSERT_NE(monitor, nullptr);
+  ASSERT_TRUE(WaitUntil([&] { return monitor->retired_count() == 0; }));  // earlier tests' engines are gone
+  std::mutex mu;
+  std::condition_variable cv;
+  bool in_send = false, let_go = false;
+  std::thread caller([&] {
+    Status s = engine_->CallWith(nullptr, IssueOptions{}, [&](uint32_t, uint64_t) {
+      std::unique_lock<std::mutex> lock(mu);
+      in_send = true;
+      cv.notify_all();
+      cv.wait(lock, [&] { return let_go; });
+      return Status::Unavailable("the test's transport");
+    });
+    EXPECT_FALSE(s.ok());
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return in_send; }));
+  }
+  engine_->Close();
+  std::this_thread::sleep_for(400ms);  // eight of the monitor's 50 ms ticks
+  EXPECT_EQ(monitor->retired_count(), 1u) << "the engine was let go with an issue in progress";
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    let_go = true;
+  }
+  cv.notify_all();
+  caller.join();
+  EXPECT_TRUE(WaitUntil([&] { return monitor->retired_count() == 0; }));
+}
+
 TEST_F(EngineTest, SeveralExecutorThreadsServeClientsCallingAtOnce) {
   StartDaemon(/*hold=*/false, {"--executor-threads", "3"});
   constexpr int kClients = 6;
