@@ -1,6 +1,9 @@
 #include "server/session/region_registry.h"
 
 #include <algorithm>
+#include <memory>
+
+#include "common/intentional_leak.h"
 
 namespace cache_dit_opd {
 
@@ -309,6 +312,13 @@ void RegionRegistry::CloseRegistry() {
 
 void RegionRegistry::Abandon() {
   std::lock_guard<std::mutex> lock(mu_);
+  // Lent regions hold the daemon's memory (store blocks, a client's chunk
+  // mappings) through their keep-alives; a copy or kernel still on the GPU
+  // may read it, so they are kept for the process's life, like the mappings.
+  auto kept = std::make_unique<std::vector<std::shared_ptr<const void>>>();
+  for (auto& [id, r] : active_) kept->insert(kept->end(), r.keepalive.begin(), r.keepalive.end());
+  for (Region& r : pending_) kept->insert(kept->end(), r.keepalive.begin(), r.keepalive.end());
+  IntentionalLeak(kept);
   closed_ = true;
   active_.clear();
   pending_.clear();

@@ -154,8 +154,9 @@ class RegionRegistry final : public RegionResolver {
   // and refuses later registrations (FAILED_PRECONDITION).
   void CloseRegistry();
 
-  // Forgets every mapping without closing it (the process is about to exit
-  // with work still on the GPU; the driver unmaps at exit).
+  // Forgets every mapping without closing it and keeps every lent region's
+  // keep-alives for the process's life (the process is about to exit with
+  // work still on the GPU, which may read them; the driver unmaps at exit).
   void Abandon();
 
   RegionCounts counts() const;

@@ -269,6 +269,32 @@ TEST_F(RegionRegistryTest, ASharedRegionIsReadOnlyOpensNothingAndHoldsItsKeepAli
             StatusCode::kInternal);  // a key never looks like a handle
 }
 
+// Shutdown past the drain deadline: work may still be on the GPU, so nothing
+// is closed and the memory lent regions hold stays alive (a store copy still
+// reading a block must not see it freed).
+TEST_F(RegionRegistryTest, AbandonClosesNothingAndKeepsLentMemoryAlive) {
+  auto reg = Make({});
+  int alive = 0;
+  char block[64];
+  RegionRegistry::Registered a, b, c;
+  ASSERT_TRUE(reg->Register(Handle(91), 0, &a).ok());
+  ASSERT_TRUE(reg->RegisterLent("store-block:1", block, sizeof(block), {}, {Tracked(&alive)}, &b).ok());
+  ASSERT_TRUE(reg->RegisterLent("store-block:2", block, sizeof(block), {}, {Tracked(&alive)}, &c).ok());
+  MappedRegion m;
+  ASSERT_TRUE(reg->ResolveForCall(c.region_id, 0, 1, &m).ok());
+  bool deferred = false;
+  ASSERT_TRUE(reg->Unregister(c.region_id, &deferred).ok());
+  ASSERT_TRUE(deferred);  // pending: lane 0 has not completed seq 1
+  reg->Abandon();
+  EXPECT_EQ(alive, 2);  // neither the active nor the pending region's keep-alive went
+  EXPECT_EQ(opener_.closes, 0);
+  EXPECT_EQ(reg->Resolve(b.region_id, &m).code(), StatusCode::kNotFound);
+  EXPECT_EQ(reg->counts().regions, 0u);
+  reg.reset();
+  EXPECT_EQ(alive, 2);
+  EXPECT_EQ(opener_.closes, 0);
+}
+
 TEST_F(RegionRegistryTest, SharedRegionsCountAgainstTheRegionLimitAndAreEvictedWhenIdle) {
   auto reg = Make(RegionLimits{2, 1u << 20});
   int alive = 0;
