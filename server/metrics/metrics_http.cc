@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "common/out_of_descriptors.h"
+
 namespace cache_dit_opd {
 
 namespace {
@@ -182,7 +184,7 @@ void MetricsHttpServer::Loop() {
           // Out of descriptors the pending peer stays queued and the socket
           // readable: pause instead of polling it in a loop. (EAGAIN: nobody
           // is waiting.)
-          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          if (OutOfDescriptors(errno)) {
             accept_paused_until = now + kAcceptPause;
           }
           break;

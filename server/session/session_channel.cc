@@ -14,6 +14,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/out_of_descriptors.h"
 #include "common/log_throttle.h"
 #include "cache_dit_opd/v1/session_memory.h"
 
@@ -21,11 +22,6 @@ namespace cache_dit_opd {
 namespace {
 
 constexpr int kListenBacklog = 64;
-
-// accept4 errors that say the process (or system) is out of descriptors or
-// memory: the pending connection stays queued and the listening socket
-// stays readable, so polling it again at once would spin.
-bool OutOfResources(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
 
 // One SEQPACKET message of `bytes` with `fd` (when >= 0) as SCM_RIGHTS.
 Status SendMessage(int sock, const void* bytes, size_t size, int fd, const char* what) {
@@ -234,10 +230,10 @@ void SessionChannel::Accept() {
     if (fd < 0) {
       const int err = errno;
       if (err == EAGAIN || err == EINTR) return;
-      if (OutOfResources(err)) PauseAccepting();  // retried at the next tick
+      if (OutOfDescriptors(err)) PauseAccepting();  // retried at the next tick
       if (const auto v = accept_failed.Next(); v.log) {
         spdlog::warn("session channel: accept: {}{}{}", std::strerror(err),
-                     OutOfResources(err) ? "; not accepting until the next tick" : "", SuppressedNote(v.suppressed));
+                     OutOfDescriptors(err) ? "; not accepting until the next tick" : "", SuppressedNote(v.suppressed));
       }
       return;
     }
@@ -385,7 +381,7 @@ void SessionChannel::HandOver(Conn& conn, Status admitted, const char* what, con
       return;
     }
     const int err = errno;
-    admitted = OutOfResources(err)
+    admitted = OutOfDescriptors(err)
                    ? Status::Rejected(Reason::kResourceExhausted, what, ": the daemon is out of descriptors (dup: ",
                                       std::strerror(err), ")")
                    : Status::Rejected(Reason::kInternal, what, ": dup: ", std::strerror(err));
