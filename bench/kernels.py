@@ -59,17 +59,6 @@ def copy_bandwidth(nbytes=1 << 30, reps=20):
     return 2 * nbytes / statistics.median(times)  # bytes read + written per second
 
 
-def same_size_copy_bandwidth(nbytes: int) -> float:
-    """A copy moving the op's bytes (nbytes / 2 read, nbytes / 2 written), timed as the op is: a graph of
-    back-to-back copies over rotating buffers larger than L2. The yardstick at the op's own size, where a
-    kernel's ramp-up and last wave weigh what they weigh for the op; the 1 GiB copy is the sustained one."""
-    half = max(nbytes // 2, 16)
-    sets = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
-            for _ in range(max(2, math.ceil(4 * L2_BYTES / (2 * half))))]
-    t = time_graph([lambda d=d, s=s: d.copy_(s) for s, d in sets])
-    return 2 * half / t
-
-
 def time_graph(fns, reps=7):
     """Median device time of one call, from graphs replaying every fn once."""
     s = torch.cuda.Stream()
@@ -161,11 +150,9 @@ def run(lib: str, only: str | None = None, shapes=None):
         t = time_graph([lambda a=a: run_op(a) for a in sets])
         t_ref = time_graph([lambda a=a: run_ref(a) for a in sets[:2]], reps=3)
         gbps = nbytes / t / 1e9
-        same = same_size_copy_bandwidth(nbytes)
         results.append({
             "op": op, "shape": label, "time_us": t * 1e6, "bytes": nbytes, "gb_per_s": gbps,
             "copy_gb_per_s": bw / 1e9, "fraction_of_copy": gbps * 1e9 / bw,
-            "same_size_copy_gb_per_s": same / 1e9, "fraction_of_same_size_copy": gbps * 1e9 / same,
             "torch_ref_time_us": t_ref * 1e6, "speedup_vs_torch": t_ref / t,
         })
         del sets

@@ -470,18 +470,14 @@ def targets_table(rows: list[dict]) -> list[str]:
 
 
 def kernels_table(res: dict) -> str:
-    """The kernel benchmark's table (the same as bench/kernels.py prints). Results from before 2026-12-07 have
-    no same-size copy and render without its column."""
-    same = all("fraction_of_same_size_copy" in c for c in res["cases"])
+    """The kernel benchmark's table (the same as bench/kernels.py prints)."""
     lines = [f"copy bandwidth (device-to-device, read + write): {res['copy_gb_per_s']:.0f} GB/s", "",
-             "| op | shape | time (us) | GB/s | of copy BW |" + (" of a copy of its size |" if same else "")
-             + " torch ref (us) | speed-up |",
-             "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if same else "") + " ---: | ---: |"]
+             "| op | shape | time (us) | GB/s | of copy BW | torch ref (us) | speed-up |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for c in res["cases"]:
         lines.append(f"| {c['op']} | {c['shape']} | {c['time_us']:.1f} | {c['gb_per_s']:.0f} | "
-                     f"{100 * c['fraction_of_copy']:.0f}% | "
-                     + (f"{100 * c['fraction_of_same_size_copy']:.0f}% | " if same else "")
-                     + f"{c['torch_ref_time_us']:.1f} | {c['speedup_vs_torch']:.1f}x |")
+                     f"{100 * c['fraction_of_copy']:.0f}% | {c['torch_ref_time_us']:.1f} | "
+                     f"{c['speedup_vs_torch']:.1f}x |")
     return "\n".join(lines)
 
 

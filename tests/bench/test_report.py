@@ -105,17 +105,6 @@ def test_kernels_only_results_still_render(tmp_path):
     assert "fp8_comm_qkv_permute_quant" in md and "of copy BW" in md
 
 
-def test_same_size_copy_column_only_when_every_case_has_it():
-    res = json.loads(KERNELS_ONLY.read_text())  # bench/kernels.py --json: the table's own input
-    assert "of a copy of its size" not in report.kernels_table(res)
-    for i, c in enumerate(res["cases"]):
-        c["fraction_of_same_size_copy"] = 0.5 + i / 1000
-    table = report.kernels_table(res)
-    first = res["cases"][0]
-    row = next(line for line in table.splitlines() if line.startswith(f"| {first['op']} | {first['shape']} |"))
-    assert "of a copy of its size" in table and row.count("|") == 9 and "| 50% |" in row
-
-
 def test_png_is_written(tmp_path, res):
     pytest.importorskip("matplotlib")
     out = tmp_path / "r.png"
