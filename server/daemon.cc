@@ -74,6 +74,7 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
                                              [this](const Status& s) { OnFatal(s); });
   SessionLimits limits;
   limits.max_sessions = options_.max_sessions;
+  limits.max_sessions_per_uid = options_.max_sessions_per_uid;
   limits.max_lanes = options_.max_lanes;
   limits.regions = RegionLimits{options_.max_regions, options_.max_mapped_bytes};
   limits.bind_timeout_ms = options_.bind_timeout_ms;

@@ -111,6 +111,9 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     } else if (flag == "--max-sessions") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 1u << 16, &opts->max_sessions));
+    } else if (flag == "--max-sessions-per-uid") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 1u << 16, &opts->max_sessions_per_uid));
     } else if (flag == "--max-lanes") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 1024, &opts->max_lanes));
@@ -200,7 +203,7 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
 
 std::string OptionsUsage() {
   return "usage: cache-dit-opd [--device N] [--socket PATH] [--runtime-dir DIR] [--log-level LEVEL]\n"
-         "                     [--max-sessions N] [--max-lanes N] [--max-regions N]\n"
+         "                     [--max-sessions N] [--max-sessions-per-uid N] [--max-lanes N] [--max-regions N]\n"
          "                     [--max-mapped-bytes SIZE] [--max-store-bytes SIZE] [--max-store-entries N]\n"
          "                     [--max-message-bytes SIZE]\n"
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
@@ -229,6 +232,8 @@ std::string OptionsHelp() {
          "                           ${XDG_RUNTIME_DIR:-/tmp}/cache-dit-opd (created mode 0770).\n"
          "  --log-level LEVEL        trace, debug, info, warn, error, critical or off (default info).\n"
          "  --max-sessions N         Open sessions at once (default 64).\n"
+         "  --max-sessions-per-uid N Bound sessions one uid may hold at once (default 0: no cap\n"
+         "                           but --max-sessions); for a daemon several users share.\n"
          "  --max-lanes N            Lanes (client streams) per session (default 16).\n"
          "  --max-regions N          Mapped regions per session (default 4096); idle regions are\n"
          "                           evicted least recently used first.\n"

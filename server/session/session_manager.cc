@@ -164,6 +164,16 @@ Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::s
     if (s->state() != SessionState::kUnbound) {
       return Status::Rejected(Reason::kMalformed, "session ", req.session_id, " is already bound");
     }
+    if (const uint32_t cap = limits_.max_sessions_per_uid; cap > 0) {
+      uint32_t held = 0;
+      for (const auto& [id, other] : sessions_) {
+        held += other->state() == SessionState::kBound && other->peer().uid == peer.uid ? 1 : 0;
+      }
+      if (held >= cap) {
+        return Status::Rejected(Reason::kResourceExhausted, "uid ", peer.uid, " holds ", held,
+                                " bound sessions (--max-sessions-per-uid ", cap, "); close one first");
+      }
+    }
     s->set_peer(peer);
     s->set_command(std::move(command));
     s->set_state(SessionState::kBound);

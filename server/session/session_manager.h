@@ -24,7 +24,8 @@
 // peer not admitted, pid mismatch), FAILED_PRECONDITION (protocol or GPU
 // mismatch, not bound yet), INVALID_ARGUMENT [MALFORMED] (a bind request
 // that breaks the format, or one for a session bound already: a client
-// does that only by mistake, and fails the session), RESOURCE_EXHAUSTED (--max-sessions),
+// does that only by mistake, and fails the session), RESOURCE_EXHAUSTED (--max-sessions; a
+// bind past --max-sessions-per-uid, the unbound session then expiring),
 // UNAVAILABLE (draining). Thread-safe.
 #pragma once
 
@@ -50,6 +51,10 @@ namespace cache_dit_opd {
 
 struct SessionLimits {
   uint32_t max_sessions = 64;
+  // Bound sessions one uid may hold at once; 0: no cap but max_sessions.
+  // For a daemon shared by several users: one user's runaway process cannot
+  // take every session slot from the others.
+  uint32_t max_sessions_per_uid = 0;
   uint32_t max_lanes = 16;
   RegionLimits regions;
   uint32_t bind_timeout_ms = 5000;

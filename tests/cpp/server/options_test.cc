@@ -100,7 +100,7 @@ TEST(OptionsTest, EveryFlagInBothSpellings) {
   Options o;
   bool help = false;
   ASSERT_TRUE(Parse({"--device", "3", "--socket=/tmp/x.sock", "--runtime-dir", "/tmp/rd", "--log-level=debug",
-                     "--max-sessions", "8", "--max-lanes=4", "--max-regions", "100", "--max-mapped-bytes", "2G",
+                     "--max-sessions", "8", "--max-sessions-per-uid=2", "--max-lanes=4", "--max-regions", "100", "--max-mapped-bytes", "2G",
                      "--max-store-bytes=3G", "--max-message-bytes=16M", "--drain-deadline-ms", "250", "--bind-timeout-ms=900",
                      "--allowed-gid", "1234", "--load-library", "/a.so", "--load-library=/b.so",
                      "--memory-trim-ms=250"},
@@ -111,6 +111,7 @@ TEST(OptionsTest, EveryFlagInBothSpellings) {
   EXPECT_EQ(o.runtime_dir, "/tmp/rd");
   EXPECT_EQ(o.log_level, "debug");
   EXPECT_EQ(o.max_sessions, 8u);
+  EXPECT_EQ(o.max_sessions_per_uid, 2u);
   EXPECT_EQ(o.max_lanes, 4u);
   EXPECT_EQ(o.max_regions, 100u);
   EXPECT_EQ(o.max_mapped_bytes, 2ull << 30);
@@ -144,6 +145,7 @@ TEST(OptionsTest, ErrorsNameFlagAndValue) {
       {{"--device", "x"}, "'x'"},
       {{"--device", "-1"}, "'-1'"},
       {{"--max-sessions", "0"}, "out of range"},
+      {{"--max-sessions-per-uid", "70000"}, "out of range"},
       {{"--max-lanes", "5000"}, "5000"},
       {{"--log-level", "loud"}, "'loud'"},
       {{"--max-mapped-bytes", "12Q"}, "12Q"},

@@ -39,9 +39,10 @@ constexpr char kUuid[] = "GPU-00000000-1111-2222-3333-444444444444";
 class SessionManagerTest : public ::testing::Test {
  protected:
   void Init(PeerPolicy policy, uint32_t bind_timeout_ms = 5000, uint32_t max_sessions = 4,
-            SessionChannelLimits channel_limits = {}) {
+            SessionChannelLimits channel_limits = {}, uint32_t max_sessions_per_uid = 0) {
     SessionLimits limits;
     limits.max_sessions = max_sessions;
+    limits.max_sessions_per_uid = max_sessions_per_uid;
     limits.max_lanes = 4;
     limits.bind_timeout_ms = bind_timeout_ms;
     manager_ = std::make_unique<SessionManager>(
@@ -725,6 +726,49 @@ TEST_F(SessionManagerTest, ReleasingDeviceResourcesUndoesCreate) {
   std::shared_ptr<Session> s;
   EXPECT_EQ(manager_->Open(Params(), &s).code(), StatusCode::kInternal);
   EXPECT_EQ(device_.stream_count(), 0u);
+}
+
+// --max-sessions-per-uid: a uid holding its share of bound sessions is
+// refused another bind (the slot of the refused, unbound session expires),
+// and binds again once one of its sessions has ended.
+TEST_F(SessionManagerTest, AUidPastItsShareOfBoundSessionsIsRefused) {
+  Init(PeerPolicy::ForThisProcess(std::nullopt), /*bind_timeout_ms=*/300, /*max_sessions=*/4, {},
+       /*max_sessions_per_uid=*/2);
+  std::vector<int> fds;
+  std::vector<std::shared_ptr<Session>> held;
+  for (int i = 0; i < 2; ++i) {
+    std::shared_ptr<Session> s;
+    ASSERT_TRUE(manager_->Open(Params(), &s).ok());
+    v1::BindReply reply;
+    int memfd = -1;
+    fds.push_back(Bind(s->id(), TokenOf(*s), &reply, &memfd));
+    ASSERT_EQ(reply.status_code, 0) << reply.message;
+    close(memfd);
+    held.push_back(s);
+  }
+  std::shared_ptr<Session> third;
+  ASSERT_TRUE(manager_->Open(Params(), &third).ok());  // opening takes no identity: only the bind is capped
+  v1::BindReply reply;
+  int memfd = -1;
+  fds.push_back(Bind(third->id(), TokenOf(*third), &reply, &memfd));
+  EXPECT_EQ(reply.status_code, static_cast<int32_t>(StatusCode::kResourceExhausted));
+  EXPECT_EQ(reply.reason, static_cast<uint32_t>(Reason::kResourceExhausted));
+  EXPECT_NE(std::string(reply.message).find("uid " + std::to_string(getuid()) + " holds 2 bound sessions "
+                                            "(--max-sessions-per-uid 2)"),
+            std::string::npos)
+      << reply.message;
+  EXPECT_EQ(memfd, -1);
+  EXPECT_FALSE(third->bound());
+  Status ended;
+  ASSERT_TRUE(WaitEnded(third->id(), &ended));  // the refused session expires at its bind deadline
+  // One of the uid's sessions ends: a new one binds.
+  ASSERT_TRUE(manager_->Close(held[0]->id(), TokenOf(*held[0])).ok());
+  std::shared_ptr<Session> fourth;
+  ASSERT_TRUE(manager_->Open(Params(), &fourth).ok());
+  fds.push_back(Bind(fourth->id(), TokenOf(*fourth), &reply, &memfd));
+  EXPECT_EQ(reply.status_code, 0) << reply.message;
+  if (memfd >= 0) close(memfd);
+  for (int fd : fds) close(fd);
 }
 
 // Every channel reply cuts a long message at a UTF-8 boundary and ends it
