@@ -14,8 +14,8 @@
 
 #include <spdlog/spdlog.h>
 
-#include "common/out_of_descriptors.h"
 #include "common/log_throttle.h"
+#include "common/out_of_descriptors.h"
 #include "cache_dit_opd/v1/session_memory.h"
 
 namespace cache_dit_opd {
@@ -47,8 +47,6 @@ Status SendMessage(int sock, const void* bytes, size_t size, int fd, const char*
   return Status::Ok();
 }
 
-}  // namespace
-
 // The reply's message field: the status message cut at a UTF-8 boundary and
 // NUL-terminated (clients decode it as text; strncpy could end mid-sequence).
 template <size_t N>
@@ -57,6 +55,8 @@ void CopyMessage(char (&field)[N], const Status& status) {
   std::memcpy(field, status.message().data(), n);
   std::memset(field + n, 0, N - n);
 }
+
+}  // namespace
 
 Status SendBindReply(int sock, const Status& status, uint64_t shared_memory_bytes, int fd) {
   v1::BindReply reply{};
