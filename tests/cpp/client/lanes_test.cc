@@ -302,6 +302,30 @@ TEST_F(LanesTest, IssuedDoesNotWaitForACallInFlight) {
   caller.join();
 }
 
+// The monitor frees a failed session's memory on FencesPassed() == 1: never
+// while an Issue is between its failed() check and its fence (its wait is
+// enqueued, its fence not yet recorded), and without blocking on it.
+TEST_F(LanesTest, FencesPassedIsNotYetWhileACallIsInFlight) {
+  Init(2);
+  EXPECT_EQ(table_->FencesPassed(), 1);  // HostOps: every fence passes at once
+  std::atomic<bool> in_send{false}, go{false};
+  std::thread caller([&] {
+    (void)table_->Issue(S(0xA), {}, [&](uint32_t, uint64_t) {
+      in_send = true;
+      while (!go) std::this_thread::yield();
+      return Status::Unavailable("connection reset");
+    });
+  });
+  while (!in_send) std::this_thread::yield();
+  table_->Fail(Status::Unavailable("closed by the client"));
+  EXPECT_EQ(table_->FencesPassed(), 0);  // returns at once: the lane's mutex is held
+  go = true;
+  caller.join();
+  EXPECT_EQ(table_->FencesPassed(), 1);
+  EXPECT_EQ(table_->Issue(S(0xA), {}, daemon_.Send()).code(), StatusCode::kUnavailable);  // failed: no new call
+  EXPECT_EQ(table_->FencesPassed(), 1);
+}
+
 TEST_F(LanesTest, ConcurrentStreamsKeepEveryLaneMonotonic) {
   constexpr int kThreads = 6, kCalls = 2000;
   Init(4);  // 6 streams on 4 lanes: two lanes are shared
