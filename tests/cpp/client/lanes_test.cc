@@ -81,6 +81,31 @@ struct FakeDaemon {
 
 void* S(uintptr_t v) { return reinterpret_cast<void*>(v); }
 
+// A call on stream 0xA held inside its send (the lane's mutex held) from
+// construction until Release(), which lets the send return `reply`.
+class CallInFlight {
+ public:
+  CallInFlight(LaneTable* table, Status reply)
+      : thread_([this, table, reply] {
+          (void)table->Issue(S(0xA), {}, [&](uint32_t, uint64_t) {
+            in_send_ = true;
+            while (!go_) std::this_thread::yield();
+            return reply;
+          });
+        }) {
+    while (!in_send_) std::this_thread::yield();
+  }
+  ~CallInFlight() { Release(); }
+  void Release() {
+    go_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> in_send_{false}, go_{false};  // before thread_: set up before it starts
+  std::thread thread_;
+};
+
 class LanesTest : public ::testing::Test {
  protected:
   void Init(uint32_t lanes) {
@@ -269,37 +294,18 @@ TEST_F(LanesTest, ReleaseFromHostRaisesDoneToTheLastIssuedNumber) {
 
 TEST_F(LanesTest, ReleaseCoversACallInFlight) {
   Init(1);
-  std::atomic<bool> in_send{false}, go{false};
-  std::thread caller([&] {
-    (void)table_->Issue(S(0xA), {}, [&](uint32_t, uint64_t) {
-      in_send = true;
-      while (!go) std::this_thread::yield();
-      return Status::Unavailable("connection reset");
-    });
-  });
-  while (!in_send) std::this_thread::yield();
+  CallInFlight call(table_.get(), Status::Unavailable("connection reset"));
   std::thread releaser([&] { table_->ReleaseFromHost(Status::Unavailable("channel closed")); });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  go = true;
-  caller.join();
+  call.Release();
   releaser.join();
   EXPECT_EQ(LoadSemaphore(&mem_->lane(0)->done), 1u);
 }
 
 TEST_F(LanesTest, IssuedDoesNotWaitForACallInFlight) {
   Init(1);
-  std::atomic<bool> in_send{false}, go{false};
-  std::thread caller([&] {
-    (void)table_->Issue(S(0xA), {}, [&](uint32_t, uint64_t) {
-      in_send = true;
-      while (!go) std::this_thread::yield();
-      return Status::Ok();
-    });
-  });
-  while (!in_send) std::this_thread::yield();
+  CallInFlight call(table_.get(), Status::Ok());
   EXPECT_EQ(table_->issued(0), 1u);  // would deadlock if it took the lane's mutex
-  go = true;
-  caller.join();
 }
 
 // The monitor frees a failed session's memory on FencesPassed() == 1: never
@@ -308,19 +314,10 @@ TEST_F(LanesTest, IssuedDoesNotWaitForACallInFlight) {
 TEST_F(LanesTest, FencesPassedIsNotYetWhileACallIsInFlight) {
   Init(2);
   EXPECT_EQ(table_->FencesPassed(), 1);  // HostOps: every fence passes at once
-  std::atomic<bool> in_send{false}, go{false};
-  std::thread caller([&] {
-    (void)table_->Issue(S(0xA), {}, [&](uint32_t, uint64_t) {
-      in_send = true;
-      while (!go) std::this_thread::yield();
-      return Status::Unavailable("connection reset");
-    });
-  });
-  while (!in_send) std::this_thread::yield();
+  CallInFlight call(table_.get(), Status::Unavailable("connection reset"));
   table_->Fail(Status::Unavailable("closed by the client"));
   EXPECT_EQ(table_->FencesPassed(), 0);  // returns at once: the lane's mutex is held
-  go = true;
-  caller.join();
+  call.Release();
   EXPECT_EQ(table_->FencesPassed(), 1);
   EXPECT_EQ(table_->Issue(S(0xA), {}, daemon_.Send()).code(), StatusCode::kUnavailable);  // failed: no new call
   EXPECT_EQ(table_->FencesPassed(), 1);
