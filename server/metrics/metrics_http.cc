@@ -27,6 +27,7 @@ struct Conn {
   std::string in;   // the request head as read so far
   std::string out;  // the response, once the head is complete
   size_t written = 0;
+  bool lingering = false;  // response written, write side shut: reading until the peer closes
 };
 
 // `extra`: further header lines, each ending in CRLF. A HEAD request gets the
@@ -126,12 +127,13 @@ static bool ReadHead(Conn& c, const std::function<std::string()>& render) {
 void MetricsHttpServer::Loop() {
   std::vector<Conn> conns;
   Clock::time_point accept_paused_until{};
-  // The oldest connection that has not sent its request head, accepted at
-  // least `grace` ago: the one to drop when room is needed.
+  // The oldest connection that has had its response (lingering) or has not
+  // sent its request head, accepted at least `grace` ago: the one to drop
+  // when room is needed.
   auto oldest_silent = [&](Clock::time_point now, std::chrono::milliseconds grace) {
     auto oldest = conns.end();
     for (auto it = conns.begin(); it != conns.end(); ++it) {
-      const bool silent = it->out.empty() && now - it->accepted >= grace;
+      const bool silent = it->lingering || (it->out.empty() && now - it->accepted >= grace);
       if (silent && (oldest == conns.end() || it->accepted < oldest->accepted)) oldest = it;
     }
     return oldest;
@@ -147,7 +149,7 @@ void MetricsHttpServer::Loop() {
     auto next_deadline = now + std::chrono::seconds(1);
     if (!listen) next_deadline = std::min(next_deadline, accept_paused_until);
     for (const Conn& c : conns) {
-      fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
+      fds.push_back({c.fd, static_cast<short>(c.out.empty() || c.lingering ? POLLIN : POLLOUT), 0});
       next_deadline = std::min(next_deadline, c.deadline);
       if (c.out.empty()) {
         next_deadline = std::min(next_deadline, c.accepted + kHeadDeadline);
@@ -163,12 +165,25 @@ void MetricsHttpServer::Loop() {
       bool done = false;
       if (revents & (POLLERR | POLLHUP | POLLNVAL)) {
         done = true;
+      } else if (c.lingering && (revents & POLLIN)) {
+        char sink[16384];
+        const ssize_t n = recv(c.fd, sink, sizeof(sink), 0);
+        done = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
       } else if (c.out.empty() && (revents & POLLIN)) {
         done = !ReadHead(c, render_);
       } else if (!c.out.empty() && (revents & POLLOUT)) {
         const ssize_t n = send(c.fd, c.out.data() + c.written, c.out.size() - c.written, MSG_NOSIGNAL);
         if (n > 0) c.written += static_cast<size_t>(n);
-        done = (n < 0 && errno != EAGAIN && errno != EINTR) || c.written == c.out.size();
+        done = n < 0 && errno != EAGAIN && errno != EINTR;
+        if (!done && c.written == c.out.size()) {
+          // Closing a socket with unread input sends a reset, which can
+          // destroy the response still in flight (the peer sent a body, or
+          // a second request): shut the write side and read what comes
+          // until the peer closes, for at most kLinger.
+          done = shutdown(c.fd, SHUT_WR) != 0;
+          c.lingering = true;
+          c.deadline = std::min(c.deadline, now + kLinger);
+        }
       }
       if (done || now >= c.deadline || (c.out.empty() && now - c.accepted >= kHeadDeadline)) {
         close(c.fd);

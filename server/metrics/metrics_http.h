@@ -11,7 +11,10 @@
 //     returns, Content-Type text/plain; version=0.0.4; `GET` of another path
 //     -> 404; `HEAD` -> the head `GET` would get, with no body; another
 //     method -> 405 with `Allow: GET, HEAD`; a request that is not HTTP ->
-//     400. Every response closes the connection.
+//     400. Every response closes the connection: its write side is shut
+//     and its input read and dropped until the peer closes or kLinger
+//     passes (a close with input unread would reset the connection and
+//     could destroy the response in flight).
 //   - Hostile peers: the listen backlog is drained as connections come
 //     (never left full for a scraper's connect to be dropped), each read once
 //     at accept. A request head must be complete (at most 8 KiB) within
@@ -20,7 +23,8 @@
 //     connections silent for kHeadGrace are dropped oldest first, and beyond
 //     kMaxOpen a newcomer takes the place of the oldest silent one: peers
 //     that connect and send nothing, or trickle, cannot keep out a scraper,
-//     which sends its request at once. Out of descriptors, accepting pauses
+//     which sends its request at once; a lingering connection gives way as a
+//     silent one does. Out of descriptors, accepting pauses
 //     for kAcceptPause instead of polling a listening socket that stays
 //     readable.
 //   - render() runs on the server's thread, one request at a time.
@@ -44,6 +48,7 @@ class MetricsHttpServer {
   static constexpr std::chrono::milliseconds kHeadDeadline{1000};
   static constexpr std::chrono::milliseconds kHeadGrace{100};
   static constexpr std::chrono::milliseconds kAcceptPause{100};
+  static constexpr std::chrono::milliseconds kLinger{1000};
 
   explicit MetricsHttpServer(std::function<std::string()> render);
   ~MetricsHttpServer();

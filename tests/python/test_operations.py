@@ -190,6 +190,30 @@ def test_metrics_endpoint_answers_only_get_metrics_and_survives_garbage(metrics_
     assert d.alive()
 
 
+def test_a_request_with_bytes_past_its_head_still_gets_its_whole_response(metrics_daemon):
+    """A client that sends more than the head (a body the endpoint never reads, or a second request) gets the
+    whole response and an orderly end: closing a socket with unread input sends a reset, which can cut the
+    response short or turn the client's read into ECONNRESET. The client here reads only after sending all."""
+    d, port = metrics_daemon
+    for extra in (b"x" * 200_000, b"GET /metrics HTTP/1.1\r\n\r\n" * 2000):
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as s:
+            try:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(extra) + extra)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                pytest.fail(f"the endpoint reset the connection while the request was being sent: {e!r}")
+            raw = b""
+            try:
+                while chunk := s.recv(65536):
+                    raw += chunk
+            except ConnectionResetError as e:
+                pytest.fail(f"the endpoint reset the connection after {len(raw)} bytes of its response: {e!r}")
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head[:64]
+        length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")).split(b":")[1])
+        assert len(body) == length > 0 and b"cache_dit_opd_sessions" in body
+    assert sample(scrape(port), "cache_dit_opd_sessions") == 0 and d.alive()
+
+
 def test_silent_peers_that_reconnect_at_once_cannot_keep_a_scraper_out(metrics_daemon):
     """More silent peers than the backlog holds, each reconnecting as soon as it is dropped: the endpoint
     drains its backlog as connections come (a full one would drop the scraper's connect) and drops silent
