@@ -24,7 +24,7 @@
 #                   context and a process per client, without and under MPS;
 #                   B: the bytes each call's copy moves (default 1 MiB)
 #   ctest-gpu       ctest -L gpu
-#   kernels-gpu     pytest tests/kernels -m gpu
+#   kernels-gpu[=K] pytest tests/kernels -m gpu (-k K when given)
 #   python-gpu      pytest tests/python -m gpu
 #   all             tests/gpu/run.sh (every suite)
 #   bench-quick[=C[|A]]  bench/run.sh --quick, cases C (comma-separated;
@@ -93,7 +93,7 @@ for step in "$@"; do
     kernels-bench) cmd=(python3 bench/kernels.py --lib "$LIB" --json "$OUT/kernels${tag#kernels-bench}.json" ${arg:+--only "$arg"}) ;;
     probe-handoff) cmd=(bench/probes/handoff.sh "$BUILD/bench/probes/opd_stream_queues_probe" ${arg:+200 "$arg"}) ;;
     ctest-gpu) cmd=(ctest --test-dir "$BUILD" --output-on-failure -L gpu) ;;
-    kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider) ;;
+    kernels-gpu) cmd=(python3 -m pytest tests/kernels -m gpu -q -rs -p no:cacheprovider ${arg:+-k "$arg"}) ;;
     python-gpu) cmd=(python3 -m pytest tests/python -m gpu -q -rs -p no:cacheprovider) ;;
     all) cmd=(env OUT="$OUT/run" tests/gpu/run.sh) ;;
     bench-quick)
