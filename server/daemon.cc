@@ -416,8 +416,9 @@ void Daemon::PublishFile(uint64_t session_id, std::string_view token, server::Pu
                          std::function<void(const Status&, const StoreListing&)> done) {
   std::string what = params.path + " under '" + params.prefix + "'";
   Publish(session_id, token, std::move(what),
-          [params = std::move(params)](server::WeightStore& store, Session& s, std::vector<server::StoreEntryInfo>* out) {
-            return server::PublishFile(store, s.peer(), params, out);
+          [params = std::move(params), stop = store_worker_.stop_token()](
+              server::WeightStore& store, Session& s, std::vector<server::StoreEntryInfo>* out) {
+            return server::PublishFile(store, s.peer(), params, out, stop);
           },
           std::move(done));
 }
@@ -742,7 +743,7 @@ void Daemon::Drain() {
 
 void Daemon::Stop() {
   StopRings();
-  store_worker_.Stop();  // a publish in progress finishes first
+  store_worker_.Stop();  // a file being published gives up at its next chunk
   if (channel_) channel_->Stop();
   if (executor_) executor_->Stop();
   if (reaper_) reaper_->Stop();

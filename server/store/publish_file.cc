@@ -68,7 +68,7 @@ Status OpenAsPeer(const PeerCred& peer, const std::string& path, int* fd) {
 }  // namespace
 
 Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileParams& p,
-                   std::vector<StoreEntryInfo>* out, size_t chunk_bytes) {
+                   std::vector<StoreEntryInfo>* out, std::stop_token stop, size_t chunk_bytes) {
   out->clear();
   // The daemon's working directory is nobody's business: a relative path
   // would be resolved against it, not against the client's.
@@ -114,6 +114,10 @@ Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileP
     const SafetensorsTensor& t = *chosen[i];
     chunk.resize(std::min<uint64_t>(chunk_bytes, t.bytes));
     for (uint64_t at = 0; at < t.bytes; at += chunk.size()) {
+      if (stop.stop_requested()) {
+        return Status::Rejected(Reason::kDraining, "publish: ", p.path, ": the daemon is shutting down (", at,
+                                " of ", t.bytes, " bytes of '", t.name, "' read)");
+      }
       const uint64_t n = std::min<uint64_t>(chunk.size(), t.bytes - at);
       SafetensorsTensor part = t;  // the next n bytes of the tensor
       part.offset += at;
@@ -145,6 +149,7 @@ void StoreWorker::Stop() {
     stop_ = true;
     t = std::move(thread_);
   }
+  stop_source_.request_stop();
   cv_.notify_all();
   if (t.joinable()) t.join();
 }

@@ -10,6 +10,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,12 +39,16 @@ struct PublishFileParams {
 // file's (safetensors.h), the store's (weight_store.h), STORE_DENIED when
 // `owner` may not open the file (or the daemon may not open it as `owner`),
 // BAD_ARGUMENT for a relative path, a tensor the file does not hold or one
-// named twice.
+// named twice, DRAINING when `stop` is requested before the last chunk is
+// read (checked before each chunk: a shutdown waits for one chunk's read,
+// not a whole checkpoint's; the set publishes nothing).
 Status PublishFile(WeightStore& store, const PeerCred& owner, const PublishFileParams& p,
-                   std::vector<StoreEntryInfo>* out, size_t chunk_bytes = 16u << 20);
+                   std::vector<StoreEntryInfo>* out, std::stop_token stop = {}, size_t chunk_bytes = 16u << 20);
 
 // One thread that runs posted tasks in order, started by the first Post (an
-// idle daemon has no store thread).
+// idle daemon has no store thread). Stop asks the task in progress to give
+// up (stop_token(), which a task passes to PublishFile), runs what is
+// queued (each sees the stop requested at once), then joins.
 class StoreWorker {
  public:
   StoreWorker() = default;
@@ -53,7 +58,9 @@ class StoreWorker {
 
   // False after Stop (the task is not run).
   bool Post(std::function<void()> task);
-  // Runs what is queued, then joins. Idempotent.
+  // Requested by Stop; tasks read it to end early.
+  std::stop_token stop_token() const { return stop_source_.get_token(); }
+  // Requests stop, runs what is queued, then joins. Idempotent.
   void Stop();
 
  private:
@@ -62,6 +69,7 @@ class StoreWorker {
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
+  std::stop_source stop_source_;
   std::thread thread_;
 };
 
