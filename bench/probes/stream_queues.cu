@@ -92,7 +92,15 @@
 //              live_sem_cb_fence records the client's fence event after each
 //              call (as the client's lanes do), and live_sem_cb_answered
 //              enqueues call i + 1 only once the daemon has enqueued call i
-//              (a synchronous client's host timing).
+//              (a synchronous client's host timing). live_host (and
+//              live_host_1w, one "done" word) is the host-checked path: the
+//              daemon enqueues call i only once its host sees "inputs ready"
+//              >= i, with no GPU wait: one memory operation fewer a call on
+//              the GPU, the host's latency on each call's path instead.
+//              live_dev_in: dev_twin for "inputs ready" only ("done" stays
+//              in pinned memory, where a client can release its own waits
+//              from the host if the daemon dies); live_dev_done the other
+//              half.
 //
 // Kernels are loaded eagerly (CUDA_MODULE_LOADING=EAGER) unless PROBE_LAZY=1:
 // with lazy loading the first launch after a parked wait hangs
@@ -721,7 +729,11 @@ enum class XMode {
   kLiveDevTwin,
   kLiveSemCbSlow,
   kLiveSemCbFence,
-  kLiveSemCbAnswered
+  kLiveSemCbAnswered,
+  kLiveHost,
+  kLiveHostOneWord,
+  kLiveDevIn,
+  kLiveDevDone
 };
 
 static const char* XModeName(XMode m) {
@@ -735,11 +747,20 @@ static const char* XModeName(XMode m) {
     case XMode::kLiveSemCbSlow: return "live_sem_cb_slow";
     case XMode::kLiveSemCbFence: return "live_sem_cb_fence";
     case XMode::kLiveSemCbAnswered: return "live_sem_cb_answered";
+    case XMode::kLiveHost: return "live_host";
+    case XMode::kLiveHostOneWord: return "live_host_1w";
+    case XMode::kLiveDevIn: return "live_dev_in";
+    case XMode::kLiveDevDone: return "live_dev_done";
   }
   return "?";
 }
 
 static bool XLive(XMode m) { return m >= XMode::kLiveSemCb; }
+// Host-checked: the daemon enqueues call i only once its host sees "inputs
+// ready" >= i, with no GPU wait (the executor's path for a lane without a
+// parking slot).
+static bool XHostChecked(XMode m) { return m == XMode::kLiveHost || m == XMode::kLiveHostOneWord; }
+static bool XOneWord(XMode m) { return m == XMode::kSemCbOneWord || m == XMode::kLiveHostOneWord; }
 
 static int64_t NowNs() {
   timespec ts;
@@ -768,7 +789,13 @@ static int XPairsChild(XShared* sh, int pairs, int calls, size_t bytes, XMode mo
   // every write also goes to the host word, for host readers.
   void* dev = nullptr;
   const bool twin = mode == XMode::kDevTwin || mode == XMode::kLiveDevTwin;
-  if (twin) {
+  // live_dev_in: only "inputs ready" in device memory (written to both, the
+  // daemon's GPU waiting on the device word); "done" stays in pinned memory,
+  // which a client can write from its host when the daemon dies.
+  // live_dev_done: the other half ("done" in device memory and pinned).
+  const bool dev_in = twin || mode == XMode::kLiveDevIn;
+  const bool dev_done = twin || mode == XMode::kLiveDevDone;
+  if (dev_in || dev_done) {
     if (daemon) {
       PROBE_CHECK(cudaMalloc(&dev, 4096));
       PROBE_CHECK(cudaMemset(dev, 0, 4096));
@@ -790,18 +817,20 @@ static int XPairsChild(XShared* sh, int pairs, int calls, size_t bytes, XMode mo
   MemOpBatch b;
   // One call of either side, as the enqueued-ahead modes and the live ones issue it.
   auto client_call = [&](cudaStream_t s, int p, uint64_t i) {  // "inputs ready", then wait "done", one batch
-    b.Write(twin ? dev_word(p, 0) : word(p, 0), i);
-    if (twin) b.Write(word(p, 0), i);
-    b.Wait(twin ? dev_word(p, 1) : word(p, 1), i);
+    b.Write(dev_in ? dev_word(p, 0) : word(p, 0), i);
+    if (dev_in) b.Write(word(p, 0), i);
+    b.Wait(dev_done ? dev_word(p, 1) : word(p, 1), i);
     b.Flush(s);
   };
   auto daemon_call = [&](cudaStream_t s, int p, uint64_t i, int4* out) {  // wait, run, "done" (+ twin) and own copy
-    b.Wait(twin ? dev_word(p, 0) : word(p, 0), i);
-    b.Flush(s);
+    if (!XHostChecked(mode)) {
+      b.Wait(dev_in ? dev_word(p, 0) : word(p, 0), i);
+      b.Flush(s);
+    }
     Copy<<<132, 512, 0, s>>>(src, out, n);
-    if (twin) b.Write(dev_word(p, 1), i);
+    if (dev_done) b.Write(dev_word(p, 1), i);
     b.Write(word(p, 1), i);
-    if (mode != XMode::kSemCbOneWord) b.Write(word(p, 2), i);
+    if (!XOneWord(mode)) b.Write(word(p, 2), i);
     b.Flush(s);
   };
   if (XLive(mode)) {
@@ -830,7 +859,10 @@ static int XPairsChild(XShared* sh, int pairs, int calls, size_t bytes, XMode mo
         for (int p = 0; p < pairs; ++p) {
           const uint64_t published = sh->published[p].load(std::memory_order_acquire);
           const auto* in_seen = reinterpret_cast<const volatile uint64_t*>(&sh->sem[8 * p]);
-          while (taken[p] < published && taken[p] + 1 - *in_seen <= kAhead) {
+          // Host-checked: nothing beyond what the host sees ready.
+          // (Compared signed, as the GPU's ">=" is cyclic.)
+          const int64_t ahead = XHostChecked(mode) ? 0 : kAhead;
+          while (taken[p] < published && static_cast<int64_t>(taken[p] + 1 - *in_seen) <= ahead) {
             const uint64_t i = ++taken[p];
             daemon_call(st[p], p, i, dst + p * n);
             sh->answered[p].store(i, std::memory_order_release);
@@ -872,7 +904,8 @@ static int XPairs(int calls, size_t bytes) {
   for (int pairs : {1, 2, 4, 8}) {
     for (const XMode mode : {XMode::kLocal, XMode::kSemCb, XMode::kSemCbOneWord, XMode::kDevTwin, XMode::kLiveSemCb,
                              XMode::kLiveDevTwin, XMode::kLiveSemCbSlow, XMode::kLiveSemCbFence,
-                             XMode::kLiveSemCbAnswered}) {
+                             XMode::kLiveSemCbAnswered, XMode::kLiveHost, XMode::kLiveHostOneWord,
+                             XMode::kLiveDevIn, XMode::kLiveDevDone}) {
       // Live: more calls, so the start (every process leaving its spin) is a small part.
       const int mode_calls = XLive(mode) ? 5 * calls : calls;
       void* mem = mmap(nullptr, sizeof(XShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
