@@ -135,7 +135,7 @@ StoreWorker::~StoreWorker() { Stop(); }
 
 bool StoreWorker::Post(std::function<void()> task) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stop_) return false;
+  if (stop_source_.stop_requested()) return false;
   tasks_.push_back(std::move(task));
   if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
   cv_.notify_one();
@@ -146,10 +146,9 @@ void StoreWorker::Stop() {
   std::thread t;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_source_.request_stop();
     t = std::move(thread_);
   }
-  stop_source_.request_stop();
   cv_.notify_all();
   if (t.joinable()) t.join();
 }
@@ -157,7 +156,7 @@ void StoreWorker::Stop() {
 void StoreWorker::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+    cv_.wait(lock, [&] { return stop_source_.stop_requested() || !tasks_.empty(); });
     if (tasks_.empty()) return;  // stopped, nothing left
     std::function<void()> task = std::move(tasks_.front());
     tasks_.pop_front();

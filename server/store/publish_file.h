@@ -68,8 +68,7 @@ class StoreWorker {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
-  bool stop_ = false;
-  std::stop_source stop_source_;
+  std::stop_source stop_source_;  // requested under mu_
   std::thread thread_;
 };
 

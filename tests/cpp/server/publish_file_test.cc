@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -26,12 +26,8 @@ std::string WriteFile(const TempDir& dir, uint64_t floats, char fill) {
   const std::string header =
       R"({"w":{"dtype":"F32","shape":[)" + std::to_string(floats) + R"(],"data_offsets":[0,)" +
       std::to_string(4 * floats) + "]}}";
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((uint64_t{header.size()} >> (8 * i)) & 0xff);
-  out += header;
-  out += std::string(4 * floats, fill);
   const std::string path = dir.File("w.safetensors");
-  std::ofstream(path, std::ios::binary) << out;
+  std::ofstream(path, std::ios::binary) << testing::SafetensorsImage(header, 4 * floats, fill);
   return path;
 }
 

@@ -15,17 +15,9 @@
 namespace cache_dit_opd::server {
 namespace {
 
+using testing::SafetensorsImage;
 using testing::TempDir;
 
-// A file image: the 8-byte little-endian length, the header, `data` bytes.
-std::string Image(const std::string& header, size_t data) {
-  std::string out(8, '\0');
-  uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  out += header;
-  out += std::string(data, '\x5a');
-  return out;
-}
 
 std::string Write(const TempDir& dir, const std::string& bytes, const std::string& name = "t.safetensors") {
   std::ofstream(dir.File(name), std::ios::binary) << bytes;
@@ -176,7 +168,7 @@ TEST(SafetensorsTest, RefusesFilesThatAreMissingTruncatedOrNotFiles) {
   s = SafetensorsFile::Open(dir.File("fifo"), &f);  // returns at once: no writer is waited for
   EXPECT_NE(s.message().find("not a regular file"), std::string::npos) << s.message();
 
-  const std::string good = Image(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8);
+  const std::string good = SafetensorsImage(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8);
   ASSERT_TRUE(OpenImage(good, &f).ok());
   EXPECT_NE(OpenImage(good.substr(0, 5)).message().find("5 bytes: shorter than the 8-byte header length"), std::string::npos);
   EXPECT_NE(OpenImage(good.substr(0, 20)).message().find("in a file of 20 (truncated)"), std::string::npos);
@@ -185,7 +177,7 @@ TEST(SafetensorsTest, RefusesFilesThatAreMissingTruncatedOrNotFiles) {
   std::string huge = good;
   huge[5] = 1;  // a header length of 2^40 + ...
   EXPECT_NE(OpenImage(huge).message().find("at most 100000000"), std::string::npos) << OpenImage(huge).message();
-  s = OpenImage(Image("{\"x\"", 0));
+  s = OpenImage(SafetensorsImage("{\"x\"", 0));
   EXPECT_NE(s.message().find("t.safetensors: the header is not JSON"), std::string::npos) << s.message();
   EXPECT_EQ(s.reason(), Reason::kBadArgument);
 
@@ -200,7 +192,7 @@ TEST(SafetensorsTest, RefusesFilesThatAreMissingTruncatedOrNotFiles) {
 
 TEST(SafetensorsTest, AFileThatShrinksAfterOpenIsAnErrorNamingTheTensor) {
   TempDir dir;
-  std::string path = Write(dir, Image(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8));
+  std::string path = Write(dir, SafetensorsImage(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8));
   std::unique_ptr<SafetensorsFile> f;
   ASSERT_TRUE(SafetensorsFile::Open(path, &f).ok());
   ASSERT_EQ(truncate(path.c_str(), static_cast<off_t>(f->index().data_offset + 3)), 0);

@@ -36,6 +36,17 @@ class TempDir {
   std::string path_;
 };
 
+// A .safetensors file image: the 8-byte little-endian header length, the
+// header, `data` bytes of `fill`.
+inline std::string SafetensorsImage(const std::string& header, size_t data, char fill = '\x5a') {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  out += header;
+  out += std::string(data, fill);
+  return out;
+}
+
 inline int ConnectSeqpacket(const std::string& path) {
   int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   sockaddr_un addr{};
