@@ -150,9 +150,11 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
                    "--metrics-address, or \"\" to turn metrics off", m.message());
     }
   }
-  OperatorDaemonService service(&daemon);
+  PeerTable grpc_peers;
+  OperatorDaemonService service(&daemon, &grpc_peers);
   GrpcServer server;
-  if (Status g = server.Start(paths.grpc, opts.max_message_bytes, &service, daemon.serving()); !g.ok()) {
+  if (Status g = server.Start(paths.grpc, opts.max_message_bytes, &service, daemon.serving(), &grpc_peers);
+      !g.ok()) {
     spdlog::error("{}", g.message());
     daemon.Stop();
     return 2;

@@ -28,7 +28,7 @@ struct Options {
   std::string runtime_dir;               // --runtime-dir: overrides the runtime-dir rule (docs/DESIGN.md section 4)
   std::string log_level = "info";        // --log-level: trace, debug, info, warn, error, critical, off
   uint32_t max_sessions = 64;            // --max-sessions: open sessions at once
-  uint32_t max_sessions_per_uid = 0;     // --max-sessions-per-uid: bound sessions per uid (0: no cap)
+  uint32_t max_sessions_per_uid = 0;     // --max-sessions-per-uid: sessions per uid, bound or being opened (0: no cap)
   uint32_t max_lanes = 16;               // --max-lanes: lanes per session
   uint64_t max_regions = 4096;           // --max-regions: mapped regions per session
   uint64_t max_mapped_bytes = 1ull << 40;  // --max-mapped-bytes: bytes mapped per session (1 TiB)

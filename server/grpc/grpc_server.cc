@@ -1,8 +1,5 @@
 #include "server/grpc/grpc_server.h"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -24,10 +21,11 @@ uint64_t GrpcMemoryQuota(uint64_t max_message_bytes) {
 GrpcServer::~GrpcServer() { Shutdown(std::chrono::milliseconds(0)); }
 
 Status GrpcServer::Start(const std::string& socket_path, uint64_t max_message_bytes, grpc::Service* service,
-                         bool serving) {
+                         bool serving, PeerTable* peers) {
   grpc::EnableDefaultHealthCheckService(true);
+  // No listening port: PeerAcceptor accepts and hands gRPC each admitted
+  // connection, so that a call's peer is known (peer_acceptor.h).
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint64_t>(GrpcSendLimit(max_message_bytes), INT32_MAX)));
@@ -36,15 +34,15 @@ Status GrpcServer::Start(const std::string& socket_path, uint64_t max_message_by
   // daemon's peak RSS by 1 GiB); with it, buffering stops at the quota.
   quota_.Resize(static_cast<size_t>(GrpcMemoryQuota(max_message_bytes)));
   builder.SetResourceQuota(quota_);
-  // gRPC binds inside BuildAndStart; the umask gives the file mode 0660
-  // from its first moment (chmod afterwards would leave a window).
-  mode_t old = umask(0117);
   server_ = builder.BuildAndStart();
-  umask(old);
-  if (!server_) return Status::Unavailable("gRPC could not listen on unix:", socket_path);
-  socket_path_ = socket_path;
-  chmod(socket_path.c_str(), 0660);
+  if (!server_) return Status::Unavailable("gRPC could not start its server for unix:", socket_path);
   SetServing(serving);
+  if (Status s = acceptor_.Start(socket_path, server_.get(), peers); !s.ok()) {
+    server_->Shutdown();
+    server_->Wait();
+    server_.reset();
+    return Status::Unavailable("gRPC could not listen on unix:", socket_path, ": ", s.message());
+  }
   return Status::Ok();
 }
 
@@ -57,11 +55,11 @@ void GrpcServer::SetServing(bool serving) {
 }
 
 void GrpcServer::Shutdown(std::chrono::milliseconds grace) {
+  acceptor_.Stop();
   if (!server_) return;
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   server_->Wait();
   server_.reset();
-  unlink(socket_path_.c_str());
 }
 
 }  // namespace cache_dit_opd

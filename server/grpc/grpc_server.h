@@ -3,7 +3,9 @@
 // The gRPC server on a Unix socket: the OperatorDaemon service plus the
 // standard grpc.health.v1 service (gRPC's default implementation), whose
 // status ("" and "cache_dit_opd.v1.OperatorDaemon") follows the daemon's
-// serving state. The socket file is created with mode 0660.
+// serving state. The socket file is created with mode 0660, and its
+// connections are accepted by PeerAcceptor (peer_acceptor.h), so that each
+// call's peer is known.
 //
 // Memory a client can make the server take:
 //   - a request larger than `max_message_bytes` (--max-message-bytes) is
@@ -32,6 +34,7 @@
 #include <grpcpp/server.h>
 
 #include "common/status.h"
+#include "server/grpc/peer_acceptor.h"
 
 namespace cache_dit_opd {
 
@@ -52,8 +55,10 @@ class GrpcServer {
   // GrpcServer::Start
   //
   // Listens on unix:`socket_path` (the path must be free: see
-  // PrepareSocketPath). UNAVAILABLE when gRPC cannot bind it.
-  Status Start(const std::string& socket_path, uint64_t max_message_bytes, grpc::Service* service, bool serving);
+  // PrepareSocketPath), recording each connection's peer in `peers` (which
+  // outlives the server). UNAVAILABLE when the socket cannot be bound.
+  Status Start(const std::string& socket_path, uint64_t max_message_bytes, grpc::Service* service, bool serving,
+               PeerTable* peers);
   // Sets the health status of the whole server and of the service.
   void SetServing(bool serving);
   // Stops accepting, cancels what is still running after `grace`, and
@@ -63,7 +68,7 @@ class GrpcServer {
  private:
   grpc::ResourceQuota quota_{"cache-dit-opd"};
   std::unique_ptr<grpc::Server> server_;
-  std::string socket_path_;
+  PeerAcceptor acceptor_;
 };
 
 }  // namespace cache_dit_opd

@@ -40,8 +40,14 @@ grpc::ServerUnaryReactor* OperatorDaemonService::GetVersion(grpc::CallbackServer
 grpc::ServerUnaryReactor* OperatorDaemonService::OpenSession(grpc::CallbackServerContext* ctx,
                                                              const v1::OpenSessionRequest* request,
                                                              v1::OpenSessionReply* reply) {
+  OpenSessionParams params = FromProto(*request);
+  params.opener = peers_->Lookup(ctx->peer());
   OpenSessionResult result;
-  Status s = daemon_->OpenSession(FromProto(*request), &result);
+  // Every connection comes through PeerAcceptor: one it did not record is
+  // refused rather than treated as an in-process caller.
+  Status s = params.opener ? daemon_->OpenSession(params, &result)
+                           : Status::Rejected(Reason::kPeerRefused, "the daemon cannot tell which process is on gRPC "
+                                                                    "connection '", ctx->peer(), "'");
   if (s.ok()) {
     ToProto(result, reply);
   } else {

@@ -3,12 +3,14 @@
 // cache_dit_opd.v1.OperatorDaemon on the gRPC callback API. Each handler
 // converts the request (server/grpc/proto_convert.h), calls the transport-neutral
 // Daemon, and finishes its reactor with ToGrpcStatus (server/grpc/grpc_status.h).
+// OpenSession takes its opener from the call's connection (PeerTable).
 // Handlers never block: Call finishes when the executor has enqueued (or
 // rejected) the call, RegisterRegion when the reaper has opened the handle.
 #pragma once
 
 #include "cache_dit_opd/v1/opd.grpc.pb.h"
 #include "server/daemon.h"
+#include "server/grpc/peer_acceptor.h"
 
 namespace cache_dit_opd {
 
@@ -18,7 +20,8 @@ inline constexpr size_t kMaxListingBytes = (4u << 20) - 4096;
 
 class OperatorDaemonService final : public v1::OperatorDaemon::CallbackService {
  public:
-  explicit OperatorDaemonService(Daemon* daemon) : daemon_(daemon) {}
+  // `peers`: the connections PeerAcceptor handed to gRPC (outlives this).
+  OperatorDaemonService(Daemon* daemon, const PeerTable* peers) : daemon_(daemon), peers_(peers) {}
 
   grpc::ServerUnaryReactor* GetVersion(grpc::CallbackServerContext* ctx, const v1::VersionRequest* request,
                                        v1::VersionReply* reply) override;
@@ -47,6 +50,7 @@ class OperatorDaemonService final : public v1::OperatorDaemon::CallbackService {
 
  private:
   Daemon* const daemon_;
+  const PeerTable* const peers_;
 };
 
 }  // namespace cache_dit_opd

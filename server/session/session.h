@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,9 @@ struct SessionConfig {
   uint64_t id = 0;
   SessionToken token{};
   int32_t client_pid = 0;     // as OpenSession claimed it
+  // The uid of the process that opened it over gRPC (checked against
+  // client_pid then); absent for a session opened in-process (tests).
+  std::optional<uid_t> opener_uid;
   std::string client_name;
   uint32_t lanes = 1;
   int device = 0;
@@ -85,6 +89,7 @@ class Session {
   uint64_t id() const { return config_.id; }
   const SessionToken& token() const { return config_.token; }
   int32_t client_pid() const { return config_.client_pid; }
+  std::optional<uid_t> opener_uid() const { return config_.opener_uid; }
   const std::string& client_name() const { return config_.client_name; }
   uint32_t lane_count() const { return config_.lanes; }
   Lane& lane(uint32_t i) { return *lanes_[i]; }

@@ -4,8 +4,6 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +15,7 @@
 #include "common/log_throttle.h"
 #include "common/out_of_descriptors.h"
 #include "cache_dit_opd/v1/session_memory.h"
+#include "server/session/unix_socket.h"
 
 namespace cache_dit_opd {
 namespace {
@@ -97,27 +96,7 @@ SessionChannel::SessionChannel(std::string path, SessionManager* manager, std::c
 SessionChannel::~SessionChannel() { Stop(); }
 
 Status SessionChannel::Listen() {
-  listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (listen_fd_ < 0) return Status::Internal("socket(AF_UNIX, SOCK_SEQPACKET): ", std::strerror(errno));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path_.size() >= sizeof(addr.sun_path)) {
-    return Status::InvalidArgument("session socket path ", path_, " is too long");
-  }
-  std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
-  // The socket file's mode comes from the umask at bind(); make it 0660 from
-  // the first moment rather than fixing it afterwards.
-  mode_t old = umask(0117);
-  int rc = bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  int err = errno;
-  umask(old);
-  if (rc != 0) return Status::Internal("bind(", path_, "): ", std::strerror(err));
-  created_ = true;
-  chmod(path_.c_str(), 0660);
-  if (listen(listen_fd_, kListenBacklog) != 0) {
-    return Status::Internal("listen(", path_, "): ", std::strerror(errno));
-  }
-  return Status::Ok();
+  return ListenUnix(path_, SOCK_SEQPACKET, kListenBacklog, &listen_fd_, &created_);
 }
 
 Status SessionChannel::Start() {

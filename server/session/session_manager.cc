@@ -32,6 +32,24 @@ Status CheckTokenSize(std::string_view token) {
   return Status::Ok();
 }
 
+// PEER_REFUSED unless `peer` (SO_PEERCRED) is the process whose pid
+// OpenSession claimed. A client in a child PID namespace claims its inner
+// pid; SO_PEERCRED gives the pid in ours: the same process if its innermost
+// pid is the claimed one.
+Status IsClaimedProcess(const PeerCred& peer, int32_t claimed, const std::string& what) {
+  if (peer.pid == claimed) return Status::Ok();
+  pid_t inner = 0;
+  OPD_RETURN_IF_ERROR(InnermostPid(peer.pid, &inner));
+  if (inner == claimed) return Status::Ok();
+  return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " (", inner,
+                          " in its PID namespace) does not match OpenSession's client_pid ", claimed, " for ", what);
+}
+
+Status PerUidExhausted(uid_t uid, uint32_t held, uint32_t cap) {
+  return Status::Rejected(Reason::kResourceExhausted, "uid ", uid, " holds ", held,
+                          " sessions, bound or being opened (--max-sessions-per-uid ", cap, "); close one first");
+}
+
 }  // namespace
 
 bool TokenEquals(const SessionToken& a, std::string_view b) {
@@ -52,6 +70,17 @@ SessionManager::SessionManager(SessionLimits limits, int device, std::string gpu
       on_end_(std::move(on_end)),
       on_bound_(std::move(on_bound)) {}
 
+uint32_t SessionManager::HeldBy(uid_t uid, const Session* except) const {
+  uint32_t held = 0;
+  for (const auto& [id, s] : sessions_) {
+    if (s.get() == except) continue;
+    const bool bound = s->state() == SessionState::kBound && s->peer().uid == uid;
+    const bool opening = s->state() == SessionState::kUnbound && s->opener_uid() == uid;
+    held += bound || opening ? 1 : 0;
+  }
+  return held;
+}
+
 Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>* out) {
   if (p.protocol_version != v1::kProtocolVersion) {
     return Status::Rejected(Reason::kVersionMismatch, "the client speaks protocol version ", p.protocol_version,
@@ -70,8 +99,15 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
     return Status::Rejected(Reason::kBadArgument, "client_name is ", p.client_name.size(), " bytes, at most ",
                             kMaxClientNameBytes);
   }
+  if (p.opener) {
+    // Before any memory is made: who may open, and that it is the process
+    // it claims to be (the bind must then come from that process too).
+    OPD_RETURN_IF_ERROR(policy_.Admit(*p.opener));
+    OPD_RETURN_IF_ERROR(IsClaimedProcess(*p.opener, p.client_pid, "a new session"));
+  }
   SessionConfig config;
   config.client_pid = p.client_pid;
+  if (p.opener) config.opener_uid = p.opener->uid;
   config.client_name = p.client_name;
   config.lanes = std::min(std::max<uint32_t>(p.lanes, 1), limits_.max_lanes);
   config.device = device_;
@@ -84,6 +120,11 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
     if (sessions_.size() >= limits_.max_sessions) {
       return Status::Rejected(Reason::kResourceExhausted, sessions_.size(), " sessions are open (--max-sessions ",
                               limits_.max_sessions, ")");
+    }
+    if (const uint32_t cap = limits_.max_sessions_per_uid; cap > 0 && p.opener) {
+      if (const uint32_t held = HeldBy(p.opener->uid, nullptr); held >= cap) {
+        return PerUidExhausted(p.opener->uid, held, cap);
+      }
     }
     config.id = next_id_++;
   }
@@ -100,6 +141,12 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
     if (sessions_.size() >= limits_.max_sessions) {
       return Status::Rejected(Reason::kResourceExhausted, sessions_.size(), " sessions are open (--max-sessions ",
                               limits_.max_sessions, ")");
+    }
+    // Again: the lock was let go while the session was made.
+    if (const uint32_t cap = limits_.max_sessions_per_uid; cap > 0 && p.opener) {
+      if (const uint32_t held = HeldBy(p.opener->uid, nullptr); held >= cap) {
+        return PerUidExhausted(p.opener->uid, held, cap);
+      }
     }
     sessions_[config.id] = s;
   }
@@ -149,30 +196,12 @@ Status SessionManager::Bind(std::string_view bytes, const PeerCred& peer, std::s
     if (!TokenEquals(s->token(), std::string_view(reinterpret_cast<const char*>(req.token), sizeof(req.token)))) {
       return Status::Rejected(Reason::kBadToken, "wrong token for session ", req.session_id);
     }
-    if (peer.pid != s->client_pid()) {
-      // A client in a child PID namespace claims its inner pid; SO_PEERCRED
-      // gives the pid in ours. The same process if its innermost pid is the
-      // claimed one.
-      pid_t inner = 0;
-      OPD_RETURN_IF_ERROR(InnermostPid(peer.pid, &inner));
-      if (inner != s->client_pid()) {
-        return Status::Rejected(Reason::kPeerRefused, "peer pid ", peer.pid, " (", inner,
-                                " in its PID namespace) does not match OpenSession's client_pid ", s->client_pid(),
-                                " for session ", req.session_id);
-      }
-    }
+    OPD_RETURN_IF_ERROR(IsClaimedProcess(peer, s->client_pid(), "session " + std::to_string(req.session_id)));
     if (s->state() != SessionState::kUnbound) {
       return Status::Rejected(Reason::kMalformed, "session ", req.session_id, " is already bound");
     }
     if (const uint32_t cap = limits_.max_sessions_per_uid; cap > 0) {
-      uint32_t held = 0;
-      for (const auto& [id, other] : sessions_) {
-        held += other->state() == SessionState::kBound && other->peer().uid == peer.uid ? 1 : 0;
-      }
-      if (held >= cap) {
-        return Status::Rejected(Reason::kResourceExhausted, "uid ", peer.uid, " holds ", held,
-                                " bound sessions (--max-sessions-per-uid ", cap, "); close one first");
-      }
+      if (const uint32_t held = HeldBy(peer.uid, s.get()); held >= cap) return PerUidExhausted(peer.uid, held, cap);
     }
     s->set_peer(peer);
     s->set_command(std::move(command));

@@ -1,8 +1,11 @@
 // File: server/session/session_manager.h
 //
 // The table of live sessions and every rule about who may use one:
-//   Open      protocol version, expected GPU, limits; creates the session
-//             (shared memory, lanes) and its random token.
+//   Open      protocol version, expected GPU, limits; over gRPC also the
+//             opener (its connection's SO_PEERCRED, server/grpc/
+//             peer_acceptor.h): admitted uid/gid, pid == client_pid, and
+//             --max-sessions-per-uid counting the sessions it is opening;
+//             creates the session (shared memory, lanes) and its random token.
 //   Bind      the session channel's BindRequest plus SO_PEERCRED: admitted
 //             uid/gid (PeerPolicy), pid == OpenSession's client_pid, right
 //             token, not bound yet. Only then is the session usable; the
@@ -24,8 +27,9 @@
 // peer not admitted, pid mismatch), FAILED_PRECONDITION (protocol or GPU
 // mismatch, not bound yet), INVALID_ARGUMENT [MALFORMED] (a bind request
 // that breaks the format, or one for a session bound already: a client
-// does that only by mistake, and fails the session), RESOURCE_EXHAUSTED (--max-sessions; a
-// bind past --max-sessions-per-uid, the unbound session then expiring),
+// does that only by mistake, and fails the session), RESOURCE_EXHAUSTED (--max-sessions,
+// --max-sessions-per-uid; a bind past the latter, for a session opened
+// in-process, leaves it unbound to expire),
 // UNAVAILABLE (draining). Thread-safe.
 #pragma once
 
@@ -35,6 +39,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,7 +56,8 @@ namespace cache_dit_opd {
 
 struct SessionLimits {
   uint32_t max_sessions = 64;
-  // Bound sessions one uid may hold at once; 0: no cap but max_sessions.
+  // Sessions one uid may hold at once, bound or opened over gRPC and not
+  // bound yet; 0: no cap but max_sessions.
   // For a daemon shared by several users: one user's runaway process cannot
   // take every session slot from the others.
   uint32_t max_sessions_per_uid = 0;
@@ -70,6 +76,9 @@ struct OpenSessionParams {
   uint32_t lanes = 0;    // 0 means 1; more than --max-lanes is cut down
   std::string client_name;
   bool want_ring = false;  // granted when SessionLimits::ring_capacity > 0
+  // The process that asks, as its gRPC connection's SO_PEERCRED tells;
+  // absent only for in-process callers (tests), which skip the peer rules.
+  std::optional<PeerCred> opener;
 };
 
 inline constexpr size_t kMaxClientNameBytes = 128;
@@ -140,6 +149,9 @@ class SessionManager {
   // Authorize (bound) and the peer is the process that bound the session.
   Status AdmitBoundPeer(uint64_t session_id, const uint8_t (&token)[v1::kTokenBytes], const PeerCred& peer,
                         std::shared_ptr<Session>* out) const;
+  // Sessions other than `except` that `uid` holds: bound to it, or opened
+  // by it and not bound yet (mu_ held).
+  uint32_t HeldBy(uid_t uid, const Session* except) const;
 
   const SessionLimits limits_;
   const int device_;

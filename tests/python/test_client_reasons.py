@@ -198,8 +198,8 @@ def resource_exhausted(p):
 
 
 def peer_refused(p):
-    r = p.open(client_pid=os.getppid())  # another process's pid: this one is not that client
-    return p.bind(r)
+    # Another process's pid: this one is not that client (its gRPC connection says who it is).
+    return rejected(lambda: p.open(client_pid=os.getppid()))
 
 
 def version_mismatch(p):

@@ -62,8 +62,8 @@ class DaemonServiceTest : public ::testing::Test {
     daemon_ = std::make_unique<Daemon>(o, info, catalog, with_gpu ? "" : "no GPU: fake probe said so", deps,
                                        dir_.File("d.session.sock"));
     ASSERT_TRUE(daemon_->Start().ok());
-    service_ = std::make_unique<OperatorDaemonService>(daemon_.get());
-    ASSERT_TRUE(server_.Start(dir_.File("d.sock"), 4 << 20, service_.get(), daemon_->serving()).ok());
+    service_ = std::make_unique<OperatorDaemonService>(daemon_.get(), &peers_);
+    ASSERT_TRUE(server_.Start(dir_.File("d.sock"), 4 << 20, service_.get(), daemon_->serving(), &peers_).ok());
     daemon_->SetHealthListener([this](bool s) { server_.SetServing(s); });
     channel_ = grpc::CreateChannel("unix:" + dir_.File("d.sock"), grpc::InsecureChannelCredentials());
     stub_ = v1::OperatorDaemon::NewStub(channel_);
@@ -192,6 +192,7 @@ class DaemonServiceTest : public ::testing::Test {
   FakeRunner runner_;
   testing::HostStoreAllocator store_;
   std::unique_ptr<Daemon> daemon_;
+  PeerTable peers_;
   std::unique_ptr<OperatorDaemonService> service_;
   GrpcServer server_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -369,6 +370,27 @@ TEST_F(DaemonServiceTest, SessionRegionCallStatsClose) {
   }
   munmap(b.memory, b.bytes);
   close(b.channel_fd);
+}
+
+// gRPC's own peer string names no process; the daemon's accept loop does
+// (server/grpc/peer_acceptor.h): an OpenSession claiming another process's
+// pid is refused at once, naming both, and takes no session slot.
+TEST_F(DaemonServiceTest, OpenSessionClaimingAnotherProcessIsRefused) {
+  StartDaemon(/*with_gpu=*/true);
+  v1::OpenSessionRequest req;
+  req.set_protocol_version(v1::kProtocolVersion);
+  req.set_client_pid(getppid());
+  req.set_gpu_uuid(kUuid);
+  v1::OpenSessionReply reply;
+  grpc::ClientContext ctx;
+  grpc::Status s = stub_->OpenSession(&ctx, req, &reply);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("peer pid " + std::to_string(getpid())), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("client_pid " + std::to_string(getppid())), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(reply.session_id(), 0u);
+  Bound b = OpenAndBind(1);  // this process's own pid: opened and bound
+  EXPECT_NE(b.memory, nullptr);
 }
 
 TEST_F(DaemonServiceTest, ClientDeathUnmapsAfterLanesDrain) {

@@ -747,14 +747,15 @@ TEST_F(SessionManagerTest, AUidPastItsShareOfBoundSessionsIsRefused) {
     held.push_back(s);
   }
   std::shared_ptr<Session> third;
-  ASSERT_TRUE(manager_->Open(Params(), &third).ok());  // opening takes no identity: only the bind is capped
+  // Opened in-process (no opener): only the bind is capped.
+  ASSERT_TRUE(manager_->Open(Params(), &third).ok());
   v1::BindReply reply;
   int memfd = -1;
   fds.push_back(Bind(third->id(), TokenOf(*third), &reply, &memfd));
   EXPECT_EQ(reply.status_code, static_cast<int32_t>(StatusCode::kResourceExhausted));
   EXPECT_EQ(reply.reason, static_cast<uint32_t>(Reason::kResourceExhausted));
-  EXPECT_NE(std::string(reply.message).find("uid " + std::to_string(getuid()) + " holds 2 bound sessions "
-                                            "(--max-sessions-per-uid 2)"),
+  EXPECT_NE(std::string(reply.message).find("uid " + std::to_string(getuid()) + " holds 2 sessions, bound or "
+                                            "being opened (--max-sessions-per-uid 2)"),
             std::string::npos)
       << reply.message;
   EXPECT_EQ(memfd, -1);
@@ -769,6 +770,66 @@ TEST_F(SessionManagerTest, AUidPastItsShareOfBoundSessionsIsRefused) {
   EXPECT_EQ(reply.status_code, 0) << reply.message;
   if (memfd >= 0) close(memfd);
   for (int fd : fds) close(fd);
+}
+
+// Over gRPC the opener is known (server/grpc/peer_acceptor.h): sessions a
+// uid has opened and not bound count against --max-sessions-per-uid at once,
+// so unbound slots cannot be piled up; one that expires frees its slot.
+TEST_F(SessionManagerTest, AUidPastItsShareIsRefusedAtOpenCountingUnboundSessions) {
+  Init(PeerPolicy::ForThisProcess(std::nullopt), /*bind_timeout_ms=*/300, /*max_sessions=*/8, {},
+       /*max_sessions_per_uid=*/2);
+  OpenSessionParams p = Params();
+  p.opener = PeerCred{getpid(), getuid(), getgid(), {}};
+  std::shared_ptr<Session> a, b, c;
+  ASSERT_TRUE(manager_->Open(p, &a).ok());
+  ASSERT_TRUE(manager_->Open(p, &b).ok());
+  Status st = manager_->Open(p, &c);
+  EXPECT_EQ(st.reason(), Reason::kResourceExhausted) << st.ToString();
+  EXPECT_NE(st.message().find("uid " + std::to_string(getuid()) + " holds 2 sessions, bound or being opened "
+                              "(--max-sessions-per-uid 2)"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(c, nullptr);
+  // A peer of another uid meets the policy first (it admits only this uid).
+  OpenSessionParams other = p;
+  other.opener->uid = getuid() + 1;
+  EXPECT_EQ(manager_->Open(other, &c).reason(), Reason::kPeerRefused);
+  // In-process opens are not counted against the uid.
+  ASSERT_TRUE(manager_->Open(Params(), &c).ok());
+  // Binding one keeps it counted; once one ends, the uid opens again.
+  v1::BindReply reply;
+  int memfd = -1;
+  const int fd = Bind(a->id(), TokenOf(*a), &reply, &memfd);
+  ASSERT_EQ(reply.status_code, 0) << reply.message;
+  close(memfd);
+  EXPECT_EQ(manager_->Open(p, &c).reason(), Reason::kResourceExhausted);
+  Status ended;
+  ASSERT_TRUE(WaitEnded(b->id(), &ended));  // b was never bound: it expires
+  std::shared_ptr<Session> d;
+  EXPECT_TRUE(manager_->Open(p, &d).ok());
+  close(fd);
+}
+
+// The opener must be the process it names as client_pid, and one the
+// policy admits: checked before any session memory is made.
+TEST_F(SessionManagerTest, AnOpenerThatIsNotTheClaimedProcessOrNotAdmittedIsRefused) {
+  Init(PeerPolicy::ForThisProcess(std::nullopt));
+  OpenSessionParams p = Params(/*pid=*/getpid() == 1 ? 2 : 1);
+  p.opener = PeerCred{getpid(), getuid(), getgid(), {}};
+  std::shared_ptr<Session> s;
+  Status st = manager_->Open(p, &s);
+  EXPECT_EQ(st.reason(), Reason::kPeerRefused) << st.ToString();
+  EXPECT_NE(st.message().find("does not match OpenSession's client_pid " + std::to_string(p.client_pid)),
+            std::string::npos)
+      << st.message();
+  p = Params();
+  p.opener = PeerCred{getpid(), getuid() + 1, getgid() + 1, {}};
+  st = manager_->Open(p, &s);
+  EXPECT_EQ(st.reason(), Reason::kPeerRefused) << st.ToString();
+  EXPECT_EQ(manager_->size(), 0u);
+  EXPECT_EQ(device_.stream_count(), 0u);
+  p.opener = PeerCred{getpid(), getuid(), getgid(), {}};
+  EXPECT_TRUE(manager_->Open(p, &s).ok());
 }
 
 // Every channel reply cuts a long message at a UTF-8 boundary and ends it
