@@ -60,6 +60,7 @@ Daemon::Daemon(const Options& options, DaemonInfo info, std::vector<OpInfo> cata
   executor_options.spin = std::chrono::microseconds(options_.spin_us);
   executor_options.thread_name = "opd-exec";
   executor_options.parking_slots = static_cast<int>(options_.parking_slots);
+  executor_options.park_busy_lanes = static_cast<int>(options_.park_busy_lanes);
   executor_options.park_deadline = std::chrono::milliseconds(options_.park_deadline_ms);
   executor_options.max_calls_ahead = static_cast<int>(options_.calls_ahead);
   // Ending the session waits for the executor, so never on its thread.

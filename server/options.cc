@@ -173,6 +173,9 @@ Status ParseOptions(int argc, const char* const* argv, Options* opts, bool* help
     } else if (flag == "--parking-slots") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 32, &opts->parking_slots));
+    } else if (flag == "--park-busy-lanes") {
+      OPD_RETURN_IF_ERROR(next());
+      OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 0, 4096, &opts->park_busy_lanes));
     } else if (flag == "--park-deadline-ms") {
       OPD_RETURN_IF_ERROR(next());
       OPD_RETURN_IF_ERROR(ParseUnsigned(flag, value, 1, 3600000, &opts->park_deadline_ms));
@@ -209,7 +212,8 @@ std::string OptionsUsage() {
          "                     [--drain-deadline-ms MS] [--bind-timeout-ms MS] [--allowed-gid GID]\n"
          "                     [--load-library PATH]... [--ring | --no-ring] [--ring-capacity N]\n"
          "                     [--spin-us US] [--executor-threads N] [--parking-slots N]\n"
-         "                     [--park-deadline-ms MS] [--calls-ahead N] [--held-calls N]\n"
+         "                     [--park-busy-lanes N] [--park-deadline-ms MS] [--calls-ahead N]\n"
+         "                     [--held-calls N]\n"
          "                     [--memory-trim-ms MS]\n"
          "                     [--metrics-address HOST:PORT] ; see --help\n";
 }
@@ -280,6 +284,11 @@ std::string OptionsHelp() {
          "                           ready. 0: every call waits on the host, one GPU memory\n"
          "                           operation fewer a call: more calls/s for many busy launch-\n"
          "                           bound clients, fewer for one (deploy/README.md, MPS).\n"
+         "  --park-busy-lanes N      Launch ahead only while at most N lanes (of the executor\n"
+         "                           thread) have calls queued or on the GPU, in [0, 4096]\n"
+         "                           (default 3; 0: no limit). With more, every call waits on the\n"
+         "                           host: a parked wait costs the GPU a memory operation per call,\n"
+         "                           which many busy lanes pay for more than the host check.\n"
          "  --park-deadline-ms MS    A parked lane whose inputs are behind and whose stream has\n"
          "                           finished nothing for MS gives up its slot when another lane\n"
          "                           needs one; its session ends with INPUTS_STALLED (default 2000).\n"

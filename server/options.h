@@ -51,6 +51,7 @@ struct Options {
   uint32_t spin_us = 200;                // --spin-us: busy-poll window after the last call (each executor)
   uint32_t executor_threads = 1;         // --executor-threads: executors polling rings and launching, 1..16
   uint32_t parking_slots = 8;            // --parking-slots: lanes with a GPU wait parked at once (0: host checks)
+  uint32_t park_busy_lanes = 3;          // --park-busy-lanes: launch ahead only while <= N lanes are busy (0: always)
   uint32_t park_deadline_ms = 2000;      // --park-deadline-ms: a parked lane this still loses its slot
   uint32_t calls_ahead = 32;             // --calls-ahead: a lane's calls on the GPU beyond its visible inputs
   uint32_t held_calls = 256;             // --held-calls: a session's decoded calls not yet launched

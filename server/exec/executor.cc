@@ -39,9 +39,17 @@ void Executor::Observe(const Item& item, CallStage stage, Clock::duration d) {
   if (stats_) stats_->Observe(item.row, item.req.transport, stage, d);
 }
 
+namespace {
+ExecutorOptions WithBusyCount(ExecutorOptions o) {
+  if (!o.busy_lanes) o.busy_lanes = std::make_shared<std::atomic<int>>(0);
+  return o;
+}
+}  // namespace
+
 Executor::Executor(DeviceOps* device, CallRunner* runner, DaemonStats* stats, ExecutorOptions options,
                    FatalHook on_fatal)
-    : device_(device), runner_(runner), stats_(stats), options_(options), on_fatal_(std::move(on_fatal)) {}
+    : device_(device), runner_(runner), stats_(stats), options_(WithBusyCount(std::move(options))),
+      on_fatal_(std::move(on_fatal)) {}
 
 Executor::~Executor() { Stop(); }
 
@@ -454,7 +462,29 @@ bool Executor::RunReady() {
   return progress;
 }
 
+bool Executor::FewBusyLanes() {
+  const int limit = options_.park_busy_lanes;
+  if (limit <= 0 || options_.busy_lanes->load(std::memory_order_relaxed) <= limit) return true;
+  if (const Clock::time_point now = Clock::now(); now - busy_swept_ >= kBusySweep) SweepBusy(now);
+  return options_.busy_lanes->load(std::memory_order_relaxed) <= limit;
+}
+
+void Executor::SweepBusy(Clock::time_point now) {
+  busy_swept_ = now;
+  std::erase_if(busy_, [](const auto& e) { return e.first->Completed() >= e.second.seq; });
+  PublishBusy();
+}
+
+void Executor::PublishBusy() {
+  const int n = static_cast<int>(busy_.size());
+  if (n == busy_published_) return;
+  options_.busy_lanes->fetch_add(n - busy_published_, std::memory_order_relaxed);
+  busy_published_ = n;
+}
+
 bool Executor::Park(LaneQueue& q, uint64_t seq) {
+  // Many busy lanes: the host check costs the GPU less (options).
+  if (!FewBusyLanes()) return false;
   if (auto it = parked_.find(q.lane); it != parked_.end()) {
     it->second.seq = std::max(it->second.seq, seq);
     return true;
@@ -532,6 +562,8 @@ void Executor::Drop(const std::shared_ptr<Session>& session, const Status& reaso
   // Parked waits first: what this session has on the GPU must drain.
   ReleaseParked(session);
   std::erase_if(accepted_, [&](const auto& e) { return !session || e.second.session_id == session->id(); });
+  std::erase_if(busy_, [&](const auto& e) { return !session || e.second.session == session; });
+  PublishBusy();
   for (auto qit = queues_.begin(); qit != queues_.end();) {
     LaneQueue& q = qit->second;
     if (session && q.session != session) {
@@ -613,8 +645,12 @@ void Executor::Loop() {
         q.lane = lane;
         q.session = item.session;
       }
+      Busy& b = busy_[lane];
+      if (!b.session) b.session = item.session;
+      b.seq = std::max(b.seq, item.req.seq);
       q.items.push_back(std::move(item));
     }
+    if (!intake.empty()) PublishBusy();
     intake.clear();
     for (Command& c : commands) {
       Drop(c.session, c.reason);
@@ -657,6 +693,9 @@ void Executor::Loop() {
       CpuRelax();
       continue;
     }
+    // Lanes that finished stop counting as busy for the other executors
+    // while this one sleeps.
+    if (!busy_.empty()) SweepBusy(Clock::now());
     if (queues_.empty() && awaiting_.empty() && parked_.empty()) {
       Sleep(options_.idle_sleep);
       spin_until = Clock::now();  // after a wake, spin only once something came

@@ -143,6 +143,19 @@ struct ExecutorOptions {
   // Lanes that may have a GPU wait on their client's inputs_ready parked at
   // once (--parking-slots); 0: every call waits for its inputs on the host.
   int parking_slots = 8;
+  // Launch ahead only while at most this many lanes have calls queued or on
+  // the GPU, counted over every executor sharing `busy_lanes` (the daemon's
+  // executors share one: the cost below is the GPU's, whichever thread
+  // launched) (--park-busy-lanes; 0: no limit). Past it,
+  // every call waits for its inputs on the host: a parked wait is one more
+  // stream memory operation per call, and the GPU takes those one at a
+  // time, so with many busy lanes it, not the host's latency, is the bound
+  // (docs/DESIGN.md section 7, 2026-12-07: 8 processes 103k calls/s
+  // host-checked against 88k launched ahead; one process 64k against 83k).
+  int park_busy_lanes = 0;
+  // The busy lanes of the executors that share it (ExecutorPool gives its
+  // executors one); null: the executor counts its own alone.
+  std::shared_ptr<std::atomic<int>> busy_lanes;
   // Calls a lane may have on the GPU beyond what its stream has completed
   // (each is a wait, its launches and two writes in the stream's queue).
   int max_calls_ahead = 32;
@@ -352,6 +365,14 @@ class Executor {
   // One futex_waitv on wake_word_ and the rings' doorbells, for at most
   // `timeout`, unless news or a record is already there.
   void Sleep(std::chrono::nanoseconds timeout);
+  // Whether at most park_busy_lanes lanes are busy in all (this executor's
+  // `busy_`, swept of lanes whose stream completed their last seq at most
+  // every kBusySweep, plus what the others sharing the count published).
+  bool FewBusyLanes();
+  // Erases the lanes of busy_ whose stream has completed their last seq.
+  void SweepBusy(std::chrono::steady_clock::time_point now);
+  // Adds the change in busy_.size() since the last call to the shared count.
+  void PublishBusy();
   // Gives `q`'s lane a parking slot for a wait up to `seq` (it may hold one
   // already); false when none is free and none can be taken from a stalled
   // lane.
@@ -394,6 +415,19 @@ class Executor {
   std::map<Lane*, LaneQueue> queues_;  // executor thread only
   std::vector<Awaiting> awaiting_;     // executor thread only
   std::map<Lane*, Parked> parked_;     // executor thread only
+  // Lanes given calls and the last seq each was given: busy until its
+  // stream completes that seq (by the daemon's own record). Executor thread
+  // only; erased with their session (Drop).
+  struct Busy {
+    std::shared_ptr<Session> session;
+    uint64_t seq;
+  };
+  std::map<Lane*, Busy> busy_;
+  // When busy_ was last swept: at most every kBusySweep (each look at a
+  // lane's completion reads a word the GPU writes, a cache miss).
+  static constexpr std::chrono::microseconds kBusySweep{50};
+  std::chrono::steady_clock::time_point busy_swept_{};
+  int busy_published_ = 0;  // this executor's part of *options_.busy_lanes
   std::map<const Lane*, LaneCalls> accepted_;  // executor thread only; erased with their session (Drop)
   std::vector<std::shared_ptr<CallSource>> rings_;  // executor thread only
   std::atomic<size_t> parked_count_{0};

@@ -21,6 +21,8 @@ ExecutorPool::ExecutorPool(DeviceOps* device, CallRunner* runner, DaemonStats* s
     : live_(new std::atomic<int>[static_cast<size_t>(Clamped(threads))]()), on_fatal_(std::move(on_fatal)) {
   const int n = Clamped(threads);
   const int slots = options.parking_slots < 0 ? 0 : options.parking_slots;
+  // One count of busy lanes for all: --park-busy-lanes is a bound on the GPU's work.
+  options.busy_lanes = std::make_shared<std::atomic<int>>(0);
   for (int i = 0; i < n; ++i) {
     ExecutorOptions o = options;
     o.parking_slots = slots / n + (i < slots % n ? 1 : 0);

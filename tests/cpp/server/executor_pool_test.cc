@@ -81,11 +81,12 @@ class ExecutorPoolTest : public ::testing::Test {
   void TearDown() override {
     if (pool_) pool_->Stop();
   }
-  void Make(int threads, int parking_slots = 0) {
+  void Make(int threads, int parking_slots = 0, int park_busy_lanes = 0) {
     if (pool_) pool_->Stop();
     runner_.device = &device_;
     ExecutorOptions o;
     o.parking_slots = parking_slots;
+    o.park_busy_lanes = park_busy_lanes;
     pool_ = std::make_unique<ExecutorPool>(&device_, &runner_, &stats_, o, threads, [this](const Status& s) {
       std::lock_guard<std::mutex> lock(mu_);
       ++fatal_calls_;
@@ -95,6 +96,12 @@ class ExecutorPoolTest : public ::testing::Test {
   }
   std::shared_ptr<Session> NewSession(uint32_t lanes = 1) {
     return NewTestSession(++next_id_, lanes, &device_, &opener_);
+  }
+  size_t WaitsOn(void* stream) {
+    std::lock_guard<std::mutex> lock(device_.mu);
+    size_t n = 0;
+    for (auto& [st, v] : device_.waits) n += st == stream ? 1 : 0;
+    return n;
   }
   int fatal_calls() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -129,6 +136,29 @@ TEST_F(ExecutorPoolTest, TheParkingSlotsAreSplitAndTheirSumIsTheBound) {
   EXPECT_EQ(pool_->threads(), 1);
   Make(ExecutorPool::kMaxThreads + 5);
   EXPECT_EQ(pool_->threads(), ExecutorPool::kMaxThreads);
+}
+
+// --park-busy-lanes bounds the GPU's work, so the executors count their
+// busy lanes together: a lane of one executor waits on the host while
+// another executor's lane is busy, and parks once that one has finished.
+TEST_F(ExecutorPoolTest, BusyLanesAreCountedOverEveryExecutor) {
+  Make(/*threads=*/2, /*parking_slots=*/8, /*park_busy_lanes=*/1);
+  auto a = NewSession(), b = NewSession();
+  ASSERT_NE(pool_->ExecutorOf(*a), pool_->ExecutorOf(*b));
+  Tally t;
+  pool_->Submit(a, Req(0, 1), t.Slot());
+  ASSERT_TRUE(WaitUntil([&] { return pool_->parked() == 1u; }));
+  pool_->Submit(b, Req(0, 1), t.Slot());
+  ASSERT_TRUE(WaitUntil([&] { return t.ok.load() == 2; }));  // both accepted
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(pool_->parked(), 1u);  // b's lane: on the host, though its executor has free slots
+  EXPECT_EQ(WaitsOn(b->lane(0).stream), 0u);
+  SetInputsReady(*a, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return a->memory().Done(0) == 1u; }));
+  ASSERT_TRUE(WaitUntil([&] { return WaitsOn(b->lane(0).stream) == 1u; }));  // a finished: b parks
+  EXPECT_EQ(b->memory().Done(0), 0u);
+  SetInputsReady(*b, 0, 1);
+  ASSERT_TRUE(WaitUntil([&] { return b->memory().Done(0) == 1u; }));
 }
 
 TEST_F(ExecutorPoolTest, SessionsAreSpreadAndEachRunsOnOneExecutor) {

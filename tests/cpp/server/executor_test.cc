@@ -607,10 +607,13 @@ class LaunchAheadTest : public ExecutorTest {
     runner_.device = &device_;
     Recreate(Options(2, 10s));
   }
-  static ExecutorOptions Options(int slots, std::chrono::milliseconds deadline) {
+  // Any number of busy lanes may park here (the slots are what is tested);
+  // BusyLanesPastTheLimitWaitOnTheHost sets a limit.
+  static ExecutorOptions Options(int slots, std::chrono::milliseconds deadline, int busy_lanes = 0) {
     ExecutorOptions o;
     o.parking_slots = slots;
     o.park_deadline = deadline;
+    o.park_busy_lanes = busy_lanes;
     return o;
   }
   // An executor with these options over streams whose queues hold a little
@@ -658,6 +661,33 @@ TEST_F(LaunchAheadTest, LaunchesBeforeTheInputsAndRunsWhenTheyArrive) {
   executor_->Submit(ready, Req(0, 1), r.Slot(10));
   ASSERT_TRUE(WaitUntil([&] { return ready->memory().Done(0) == 1; }));
   EXPECT_EQ(WaitsOn(ready->lane(0).stream), 0u);
+}
+
+TEST_F(LaunchAheadTest, BusyLanesPastTheLimitWaitOnTheHost) {
+  Recreate(Options(8, 10s, /*busy_lanes=*/2));
+  auto s = NewSession(3);
+  Results r;
+  // Two busy lanes park...
+  for (uint32_t l = 0; l < 2; ++l) {
+    executor_->Submit(s, Req(l, 1), r.Slot(int(l)));
+    ASSERT_TRUE(WaitUntil([&] { return executor_->parked() == l + 1; })) << l;
+  }
+  // ...a third one's call waits on the host, with nothing on the GPU, free slots or not.
+  executor_->Submit(s, Req(2, 1), r.Slot(2));
+  ASSERT_TRUE(r.Wait(3));
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(executor_->parked(), 2u);
+  EXPECT_EQ(executor_->pending(), 1u);
+  EXPECT_EQ(WaitsOn(s->lane(2).stream), 0u);
+  // Once the first two have run, two lanes are busy no longer: the third parks.
+  SetInputsReady(*s, 0, 1);
+  SetInputsReady(*s, 1, 1);
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(0) == 1 && s->memory().Done(1) == 1; }));
+  ASSERT_TRUE(WaitUntil([&] { return WaitsOn(s->lane(2).stream) == 1u; }));
+  EXPECT_EQ(executor_->pending(), 0u);
+  EXPECT_EQ(s->memory().Done(2), 0u);
+  SetInputsReady(*s, 2, 1);
+  ASSERT_TRUE(WaitUntil([&] { return s->memory().Done(2) == 1; }));
 }
 
 TEST_F(LaunchAheadTest, StalledLanesBeyondTheSlotsBlockNobody) {

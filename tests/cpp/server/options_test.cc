@@ -67,6 +67,9 @@ TEST(OptionsTest, RingFlags) {
   ASSERT_TRUE(Parse({"--calls-ahead", "4", "--held-calls=4096"}, &o, &help).ok());
   EXPECT_EQ(o.calls_ahead, 4u);
   EXPECT_EQ(o.held_calls, 4096u);
+  EXPECT_EQ(o.park_busy_lanes, 3u);
+  ASSERT_TRUE(Parse({"--park-busy-lanes", "0"}, &o, &help).ok());
+  EXPECT_EQ(o.park_busy_lanes, 0u);
   ASSERT_TRUE(Parse({"--no-ring", "--ring", "--ring-capacity=8"}, &o, &help).ok());
   EXPECT_TRUE(o.ring);  // the last one wins
   EXPECT_EQ(o.ring_capacity, 8u);
@@ -85,6 +88,7 @@ TEST(OptionsTest, RingFlags) {
       {{"--calls-ahead", "0"}, "out of range [1, 64]"},
       {{"--calls-ahead", "65"}, "out of range [1, 64]"},
       {{"--held-calls", "4097"}, "out of range [1, 4096]"},
+      {{"--park-busy-lanes", "4097"}, "out of range [0, 4096]"},
       {{"--ring=yes"}, "--ring takes no value"},
       {{"--no-ring=1"}, "--no-ring takes no value"},
   };
@@ -176,7 +180,7 @@ TEST(OptionsTest, HelpDocumentsEveryFlag) {
                            "--max-regions", "--max-mapped-bytes", "--max-message-bytes", "--drain-deadline-ms",
                            "--bind-timeout-ms", "--allowed-gid", "--load-library", "--ring", "--no-ring",
                            "--ring-capacity", "--spin-us", "--executor-threads", "--parking-slots",
-                           "--park-deadline-ms", "--calls-ahead", "--held-calls", "--memory-trim-ms", "--metrics-address", "--help"}) {
+                           "--park-busy-lanes", "--park-deadline-ms", "--calls-ahead", "--held-calls", "--memory-trim-ms", "--metrics-address", "--help"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(text.find(".session.sock"), std::string::npos);
