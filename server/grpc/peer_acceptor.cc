@@ -45,10 +45,10 @@ std::optional<PeerCred> PeerTable::Lookup(std::string_view grpc_peer) const {
   int fd = -1;
   const auto [end, ec] = std::from_chars(grpc_peer.data(), grpc_peer.data() + grpc_peer.size(), fd);
   if (ec != std::errc() || end != grpc_peer.data() + grpc_peer.size() || fd < 0) return std::nullopt;
-  const std::optional<ino_t> ino = SocketInode(fd);
+  // Under the lock: Record (after accept4 made the descriptor) happens before.
   std::lock_guard<std::mutex> lock(mu_);
   auto it = by_fd_.find(fd);
-  if (it == by_fd_.end() || !ino || *ino != it->second.ino) return std::nullopt;
+  if (it == by_fd_.end() || SocketInode(fd) != it->second.ino) return std::nullopt;
   return it->second.peer;
 }
 

@@ -108,9 +108,11 @@ class ExecutorPoolTest : public ::testing::Test {
     return fatal_calls_;
   }
 
+  // Before the device fake: its stream threads may still run a call's
+  // record (into the runner) until the device fake joins them.
+  ThreadNotingRunner runner_;
   FakeDeviceOps device_;
   FakeRegionOpener opener_;
-  ThreadNotingRunner runner_;
   DaemonStats stats_;
   std::unique_ptr<ExecutorPool> pool_;
   uint64_t next_id_ = 0;

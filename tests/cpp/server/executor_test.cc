@@ -101,9 +101,11 @@ class ExecutorTest : public ::testing::Test {
     return NewTestSession(++next_id_, lanes, &device_, &opener_, bound);
   }
 
+  // Before the device fake: its stream threads may still run a call's
+  // record (into the runner) until the device fake joins them.
+  FakeRunner runner_;
   FakeDeviceOps device_;
   FakeRegionOpener opener_;
-  FakeRunner runner_;
   DaemonStats stats_;
   std::unique_ptr<Executor> executor_;
   uint64_t next_id_ = 0;
