@@ -70,11 +70,11 @@ int RunDaemon(int argc, char** argv, DeviceBackend& backend) {
         opts.parking_slots = cap;
       }
     }
+    const std::string busy =
+        opts.park_busy_lanes == 0 ? "any number of" : "at most " + std::to_string(opts.park_busy_lanes);
     spdlog::info("launch ahead: {} parking slot(s) while {} lanes are busy, {} hardware work queues, "
                  "park deadline {} ms",
-                 opts.parking_slots,
-                 opts.park_busy_lanes == 0 ? std::string("any number of") : "at most " + std::to_string(opts.park_busy_lanes),
-                 dev.connections, opts.park_deadline_ms);
+                 opts.parking_slots, busy, dev.connections, opts.park_deadline_ms);
   } else {
     spdlog::warn("not serving: {}", dev.reason);
   }

@@ -284,7 +284,7 @@ std::string OptionsHelp() {
          "                           ready. 0: every call waits on the host, one GPU memory\n"
          "                           operation fewer a call: more calls/s for many busy launch-\n"
          "                           bound clients, fewer for one (deploy/README.md, MPS).\n"
-         "  --park-busy-lanes N      Launch ahead only while at most N lanes (of the executor\n"
+         "  --park-busy-lanes N      Launch ahead only while at most N lanes (over every executor\n"
          "                           thread) have calls queued or on the GPU, in [0, 4096]\n"
          "                           (default 3; 0: no limit). With more, every call waits on the\n"
          "                           host: a parked wait costs the GPU a memory operation per call,\n"

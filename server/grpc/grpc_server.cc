@@ -1,7 +1,6 @@
 #include "server/grpc/grpc_server.h"
 
 #include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
 #include <algorithm>
@@ -23,7 +22,7 @@ GrpcServer::~GrpcServer() { Shutdown(std::chrono::milliseconds(0)); }
 Status GrpcServer::Start(const std::string& socket_path, uint64_t max_message_bytes, grpc::Service* service,
                          bool serving, PeerTable* peers) {
   grpc::EnableDefaultHealthCheckService(true);
-  // No listening port: PeerAcceptor accepts and hands gRPC each admitted
+  // No listening port: PeerAcceptor accepts and hands gRPC each
   // connection, so that a call's peer is known (peer_acceptor.h).
   grpc::ServerBuilder builder;
   builder.RegisterService(service);

@@ -105,7 +105,8 @@ void PeerAcceptor::Loop() {
       paused = OutOfDescriptors(err);
       if (const auto v = accept_failed.Next(); v.log) {
         spdlog::warn("gRPC socket: accept: {}{}{}", std::strerror(err),
-                     paused ? "; not accepting for 100 ms" : "", SuppressedNote(v.suppressed));
+                     paused ? fmt::format("; not accepting for {} ms", kAcceptPauseMs) : "",
+                     SuppressedNote(v.suppressed));
       }
       break;
     }

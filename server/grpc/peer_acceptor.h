@@ -20,7 +20,6 @@
 
 #include <sys/types.h>
 
-#include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>

@@ -81,6 +81,19 @@ uint32_t SessionManager::HeldBy(uid_t uid, const Session* except) const {
   return held;
 }
 
+Status SessionManager::RoomFor(const OpenSessionParams& p) const {
+  if (sessions_.size() >= limits_.max_sessions) {
+    return Status::Rejected(Reason::kResourceExhausted, sessions_.size(), " sessions are open (--max-sessions ",
+                            limits_.max_sessions, ")");
+  }
+  if (const uint32_t cap = limits_.max_sessions_per_uid; cap > 0 && p.opener) {
+    if (const uint32_t held = HeldBy(p.opener->uid, nullptr); held >= cap) {
+      return PerUidExhausted(p.opener->uid, held, cap);
+    }
+  }
+  return Status::Ok();
+}
+
 Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>* out) {
   if (p.protocol_version != v1::kProtocolVersion) {
     return Status::Rejected(Reason::kVersionMismatch, "the client speaks protocol version ", p.protocol_version,
@@ -107,7 +120,7 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
   }
   SessionConfig config;
   config.client_pid = p.client_pid;
-  if (p.opener) config.opener_uid = p.opener->uid;
+  config.opener_uid = p.opener ? std::optional<uid_t>(p.opener->uid) : std::nullopt;
   config.client_name = p.client_name;
   config.lanes = std::min(std::max<uint32_t>(p.lanes, 1), limits_.max_lanes);
   config.device = device_;
@@ -117,15 +130,7 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) return not_accepting_;
-    if (sessions_.size() >= limits_.max_sessions) {
-      return Status::Rejected(Reason::kResourceExhausted, sessions_.size(), " sessions are open (--max-sessions ",
-                              limits_.max_sessions, ")");
-    }
-    if (const uint32_t cap = limits_.max_sessions_per_uid; cap > 0 && p.opener) {
-      if (const uint32_t held = HeldBy(p.opener->uid, nullptr); held >= cap) {
-        return PerUidExhausted(p.opener->uid, held, cap);
-      }
-    }
+    OPD_RETURN_IF_ERROR(RoomFor(p));
     config.id = next_id_++;
   }
   std::shared_ptr<Session> s;
@@ -138,16 +143,7 @@ Status SessionManager::Open(const OpenSessionParams& p, std::shared_ptr<Session>
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) return not_accepting_;
-    if (sessions_.size() >= limits_.max_sessions) {
-      return Status::Rejected(Reason::kResourceExhausted, sessions_.size(), " sessions are open (--max-sessions ",
-                              limits_.max_sessions, ")");
-    }
-    // Again: the lock was let go while the session was made.
-    if (const uint32_t cap = limits_.max_sessions_per_uid; cap > 0 && p.opener) {
-      if (const uint32_t held = HeldBy(p.opener->uid, nullptr); held >= cap) {
-        return PerUidExhausted(p.opener->uid, held, cap);
-      }
-    }
+    OPD_RETURN_IF_ERROR(RoomFor(p));  // again: the lock was let go while the session was made
     sessions_[config.id] = s;
   }
   // A client can open and close sessions in a loop: each kind of lifecycle

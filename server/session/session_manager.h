@@ -152,6 +152,9 @@ class SessionManager {
   // Sessions other than `except` that `uid` holds: bound to it, or opened
   // by it and not bound yet (mu_ held).
   uint32_t HeldBy(uid_t uid, const Session* except) const;
+  // RESOURCE_EXHAUSTED when `p` would pass --max-sessions or its opener's
+  // --max-sessions-per-uid (mu_ held).
+  Status RoomFor(const OpenSessionParams& p) const;
 
   const SessionLimits limits_;
   const int device_;
