@@ -39,12 +39,16 @@ TEST(PeerTableTest, NamesTheRecordedSocketAndNothingElse) {
   close(pair[0]);
   int again[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, again), 0);
-  if (again[0] == pair[0] || again[1] == pair[0]) EXPECT_FALSE(table.Lookup(name).has_value());
+  if (again[0] == pair[0] || again[1] == pair[0]) {
+    EXPECT_FALSE(table.Lookup(name).has_value());
+  }
   close(again[0]);
   close(again[1]);
   const int file = open("/dev/null", O_RDONLY | O_CLOEXEC);
   ASSERT_GE(file, 0);
-  if (file == pair[0]) EXPECT_FALSE(table.Lookup(name).has_value());
+  if (file == pair[0]) {
+    EXPECT_FALSE(table.Lookup(name).has_value());
+  }
   close(file);
   EXPECT_FALSE(table.Lookup(name).has_value());  // closed
   close(pair[1]);
